@@ -1,0 +1,13 @@
+# The CS336 systems pipeline: `snakemake --cores 1 report/writeup.md`. Logic lives in rules/ and src/.
+configfile: "config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/e2e.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        "report/writeup.md",

@@ -1,0 +1,66 @@
+"""Timing helpers shared by the benchmarks: synchronise, warm up, time every step, summarise."""
+
+from __future__ import annotations
+
+import statistics
+import timeit
+from collections.abc import Callable
+
+import torch
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for queued device work; a no-op on CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(fn: Callable[[], object], warmup: int, steps: int, device: torch.device | str) -> list[float]:
+    """Run `fn` `warmup` times untimed, then `steps` times, synchronising after each; return seconds per step."""
+    for _ in range(warmup):
+        fn()
+        sync(device)
+    times = []
+    for _ in range(steps):
+        start = timeit.default_timer()
+        fn()
+        sync(device)
+        times.append(timeit.default_timer() - start)
+    return times
+
+
+def summarize(times_s: list[float]) -> dict[str, float]:
+    """Mean, standard deviation and median of step times, in milliseconds."""
+    ms = [t * 1e3 for t in times_s]
+    return {
+        "mean_ms": statistics.fmean(ms),
+        "std_ms": statistics.stdev(ms) if len(ms) > 1 else 0.0,
+        "median_ms": statistics.median(ms),
+    }
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for a CUDA (or CPU allocator) out-of-memory error, which sweeps record as an `OOM` row."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def free_memory() -> None:
+    """Release cached blocks between sweep cells so one cell's OOM does not poison the next."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when present; an explicit `cuda` without a GPU is an error that names the flag."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: CUDA is not available on this machine")
+    return device

@@ -1,0 +1,100 @@
+"""Process-group setup from torchrun's environment, fail-fast error handling, and gathering results to rank 0.
+
+Launch every multi-process entry point through the real launcher, which picks a free port:
+    python -m torch.distributed.run --standalone --nproc-per-node N -m cs336_systems.experiments.<name> ...
+(or torchrun under SLURM, which sets the same env:// variables).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the job and which device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def gpus_available() -> int:
+    """Number of CUDA devices this machine exposes (0 on a CPU-only build or machine)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def setup_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistContext:
+    """Join the process group described by torchrun's env:// variables.
+
+    backend None picks nccl when CUDA is available and gloo otherwise; nccl runs on cuda:LOCAL_RANK, gloo on CPU.
+    timeout_s bounds process-group setup and every later collective, so a lost peer ends in an error, not a hang.
+    """
+    missing = [name for name in _LAUNCHER_VARIABLES if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"missing launcher environment variables {missing}: start this program with "
+            "'python -m torch.distributed.run --standalone --nproc-per-node N ...' (or torchrun)"
+        )
+    if backend is None:
+        backend = "nccl" if gpus_available() > 0 else "gloo"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    rank, world_size, local_rank = (int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+    if backend == "nccl":
+        if local_rank >= gpus_available():
+            raise RuntimeError(f"backend nccl needs a GPU for local rank {local_rank}, found {gpus_available()}")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # device_id binds the group to this GPU so NCCL connects eagerly, inside the setup timeout.
+        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return DistContext(rank, world_size, local_rank, backend, device)
+
+
+@contextmanager
+def distributed(backend: str | None = None, timeout_s: float = 300.0) -> Iterator[DistContext]:
+    """Set up the process group, yield its context, and tear it down.
+
+    If this rank raises, the error is printed with the rank's number and the process exits at once with status 1:
+    torchrun then stops the other ranks, which would otherwise wait forever in their next collective.
+    """
+    rank = os.environ.get("RANK", "?")
+    try:
+        ctx = setup_distributed(backend, timeout_s)
+        yield ctx
+    except Exception:
+        sys.stdout.flush()
+        print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        # No destroy_process_group here: with peers still inside a collective it can block.
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """Every rank's `obj` (picklable) as a list indexed by rank on rank 0; None on the other ranks."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered if dist.get_rank() == 0 else None

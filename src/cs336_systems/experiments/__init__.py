@@ -1,0 +1,1 @@
+"""Experiment entry points: one CLI per deliverable, each writing tidy rows plus provenance."""

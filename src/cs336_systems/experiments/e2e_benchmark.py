@@ -1,0 +1,83 @@
+"""End-to-end benchmark of the Transformer LM (spec §1.1.3, reused by §1.1.5 c and §1.3.1 b).
+
+For each context length and mode, build the model, run `--warmup` untimed steps and `--steps` timed steps,
+synchronising after each, and write one row per timed step (or one `OOM` row for a cell that does not fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from cs336_systems import workload
+from cs336_systems.benchmarking import free_memory, is_oom, resolve_device, time_steps
+from cs336_systems.provenance import write_rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    workload.add_model_args(p)
+    p.add_argument("--context-lengths", type=int, nargs="+", required=True)
+    p.add_argument("--modes", nargs="+", choices=workload.MODES, default=list(workload.MODES))
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before measuring")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--autocast", choices=sorted(workload.AUTOCAST), default="none")
+    p.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
+    args = p.parse_args(argv)
+    for flag in ("warmup", "steps", "batch_size"):
+        if getattr(args, flag) < (1 if flag != "warmup" else 0):
+            p.error(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'warmup' else '>= 1'}")
+    if any(c < 1 for c in args.context_lengths):
+        p.error("--context-lengths must be positive")
+    return args
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    device = resolve_device(args.device)
+    autocast_dtype = workload.AUTOCAST[args.autocast]
+    rows = []
+    for context_length in args.context_lengths:
+        cfg = workload.model_config(args, context_length)
+        for mode in args.modes:
+            base = {
+                "size": args.size,
+                "context_length": context_length,
+                "batch_size": args.batch_size,
+                "mode": mode,
+                "warmup": args.warmup,
+                "autocast": args.autocast,
+                "compile": args.compile,
+                "attention": args.attention,
+            }
+            print(f"[e2e] {args.size} ctx={context_length} {mode} ...", file=sys.stderr, flush=True)
+            torch.manual_seed(args.seed)
+            try:
+                model, optimizer = workload.build(cfg, device, compile=args.compile)
+                batch = workload.random_batch(cfg, args.batch_size, device)
+                step = workload.make_step(model, optimizer, batch, mode, autocast_dtype)
+                times = time_steps(step, args.warmup, args.steps, device)
+            except Exception as exc:  # noqa: BLE001 - only OOM is recorded, everything else re-raised
+                if not is_oom(exc):
+                    raise
+                rows.append({**base, "step": None, "time_ms": None, "status": "OOM"})
+                print(f"[e2e]   OOM: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+            else:
+                rows += [{**base, "step": i, "time_ms": t * 1e3, "status": "ok"} for i, t in enumerate(times)]
+            finally:
+                model = optimizer = batch = step = None
+                free_memory()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    write_rows(run(args), args.out, vars(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""FlashAttention-2 as autograd Functions: a tiled pure-PyTorch version and a Triton version.
+
+Both take Q of shape (..., N_q, d) and K, V of shape (..., N_k, d) with the same leading (batch) dims, return O
+of Q's shape and dtype, and save exactly one logsumexp tensor L of shape (..., N_q) (float32) beside Q, K, V, O.
+Causal masking is top-left aligned: query i attends to keys j <= i (as `scaled_dot_product_attention`).
+
+Backward passes:
+- `FlashAttentionTriton`: Triton kernels, one pass over key tiles (dK, dV) and one over query tiles (dQ).
+- `FlashAttentionTritonCompiledBackward`: Triton forward, backward by recomputation in PyTorch
+  (`flash_backward_reference`, equations 13-19) under `torch.compile` on CUDA, eager elsewhere.
+- `FlashAttentionPyTorch`: the same recomputation backward.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from cs336_systems import flash_triton
+
+PYTORCH_TILE_SIZE = 32  # tiles of the pure-PyTorch forward (>= 16 x 16, as the spec asks)
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Input validation: one clear error naming the argument and what is wrong.
+# ----------------------------------------------------------------------------------------------------------
+def _validate(Q: object, K: object, V: object, is_causal: object, *, for_triton: bool) -> None:
+    for name, t in (("Q", Q), ("K", K), ("V", V)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have shape (..., seq, d), got shape {tuple(t.shape)}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if Q.shape[:-2] != K.shape[:-2] or K.shape[:-2] != V.shape[:-2]:
+        raise ValueError(
+            f"Q, K, V must share their leading (batch) dims: Q {tuple(Q.shape)}, K {tuple(K.shape)}, "
+            f"V {tuple(V.shape)}"
+        )
+    if K.shape != V.shape:
+        raise ValueError(f"K and V must have the same shape (..., N_k, d): K {tuple(K.shape)}, V {tuple(V.shape)}")
+    if Q.shape[-1] != K.shape[-1]:
+        raise ValueError(f"Q and K must have the same head dim d: Q {tuple(Q.shape)}, K {tuple(K.shape)}")
+    if Q.shape[-2] == 0 or K.shape[-2] == 0:
+        raise ValueError(f"sequence lengths must be >= 1: Q {tuple(Q.shape)}, K {tuple(K.shape)}")
+    if not (Q.dtype == K.dtype == V.dtype):
+        raise TypeError(f"Q, K, V must share one dtype: Q {Q.dtype}, K {K.dtype}, V {V.dtype}")
+    if not Q.dtype.is_floating_point:
+        raise TypeError(f"Q, K, V must be floating point, got {Q.dtype}")
+    if not (Q.device == K.device == V.device):
+        raise ValueError(f"Q, K, V must be on one device: Q {Q.device}, K {K.device}, V {V.device}")
+    if not for_triton:
+        return
+    d = Q.shape[-1]
+    if d not in flash_triton.SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"head dim d = {d} (Q {tuple(Q.shape)}) is not supported by the Triton kernels; "
+            f"use one of {flash_triton.SUPPORTED_HEAD_DIMS}"
+        )
+    if Q.dtype not in TRITON_DTYPES:
+        raise TypeError(f"Q, K, V dtype {Q.dtype} is not supported by the Triton kernels; use one of {TRITON_DTYPES}")
+    if Q.device.type != "cuda" and not flash_triton.INTERPRET:
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors, but Q is on {Q.device}; "
+            "set TRITON_INTERPRET=1 before importing triton to run them on the CPU"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pure PyTorch: tiled forward with online softmax, and the recomputation backward.
+# ----------------------------------------------------------------------------------------------------------
+def tiled_forward_pytorch(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool, tile_size: int = PYTORCH_TILE_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 1 in PyTorch, in float32 on the tiles: O (Q's dtype) and L (float32, shape (..., N_q))."""
+    n_queries, d = Q.shape[-2:]
+    n_keys = K.shape[-2]
+    scale = 1.0 / math.sqrt(d)
+    O = torch.empty(Q.shape, dtype=torch.float32, device=Q.device)
+    L = torch.empty(Q.shape[:-1], dtype=torch.float32, device=Q.device)
+    for q_start in range(0, n_queries, tile_size):
+        q_end = min(q_start + tile_size, n_queries)
+        q = Q[..., q_start:q_end, :].float()
+        m = torch.full(q.shape[:-1], float("-inf"), device=Q.device)
+        l = torch.zeros(q.shape[:-1], device=Q.device)
+        acc = torch.zeros(q.shape, device=Q.device)
+        rows = torch.arange(q_start, q_end, device=Q.device)
+        # Key tiles that start after the tile's last query are fully masked: skip them.
+        keys_end = min(n_keys, q_end) if is_causal else n_keys
+        for k_start in range(0, keys_end, tile_size):
+            k_end = min(k_start + tile_size, n_keys)
+            k, v = K[..., k_start:k_end, :].float(), V[..., k_start:k_end, :].float()
+            s = q @ k.transpose(-1, -2) * scale
+            if is_causal and k_end - 1 > q_start:  # the tile crosses the diagonal
+                cols = torch.arange(k_start, k_end, device=Q.device)
+                s = s.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+            # Key 0 is in every row's first tile, so m_new is finite from the first tile on.
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            p = torch.exp(s - m_new[..., None])
+            alpha = torch.exp(m - m_new)
+            l = alpha * l + p.sum(dim=-1)
+            acc = alpha[..., None] * acc + p @ v
+            m = m_new
+        O[..., q_start:q_end, :] = acc / l[..., None]
+        L[..., q_start:q_end] = m + torch.log(l)
+    return O.to(Q.dtype), L
+
+
+def flash_backward_reference(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, O: torch.Tensor, dO: torch.Tensor, L: torch.Tensor,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward by recomputation (equations 13-19) in float32: P is rebuilt from L, no softmax needed."""
+    scale = 1.0 / math.sqrt(Q.shape[-1])
+    q, k, v, o, do = (t.float() for t in (Q, K, V, O, dO))
+    S = q @ k.transpose(-1, -2) * scale
+    if is_causal:
+        above_diagonal = torch.ones(S.shape[-2:], dtype=torch.bool, device=S.device).triu(1)
+        S = S.masked_fill(above_diagonal, float("-inf"))
+    P = torch.exp(S - L[..., None])
+    dV = P.transpose(-1, -2) @ do
+    dP = do @ v.transpose(-1, -2)
+    D = (o * do).sum(dim=-1, keepdim=True)
+    dS = P * (dP - D)
+    dQ = dS @ k * scale
+    dK = dS.transpose(-1, -2) @ q * scale
+    return dQ.to(Q.dtype), dK.to(K.dtype), dV.to(V.dtype)
+
+
+_compiled_backward: Callable | None = None
+_compile_failed = False
+
+
+def compiled_backward(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, O: torch.Tensor, dO: torch.Tensor, L: torch.Tensor,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`flash_backward_reference` under `torch.compile` on CUDA; eager on CPU or when compilation fails."""
+    global _compiled_backward, _compile_failed
+    if Q.device.type != "cuda" or _compile_failed:
+        return flash_backward_reference(Q, K, V, O, dO, L, is_causal)
+    if _compiled_backward is None:
+        _compiled_backward = torch.compile(flash_backward_reference)
+    try:
+        return _compiled_backward(Q, K, V, O, dO, L, is_causal)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to the same math, eagerly
+        if torch.cuda.is_available() and "out of memory" in str(exc).lower():
+            raise
+        warnings.warn(f"torch.compile of the flash backward failed ({exc!r}); running it eagerly", stacklevel=2)
+        _compile_failed = True
+        return flash_backward_reference(Q, K, V, O, dO, L, is_causal)
+
+
+class FlashAttentionPyTorch(torch.autograd.Function):
+    """FlashAttention-2 in pure PyTorch: tiled forward, recomputation backward."""
+
+    @staticmethod
+    def forward(ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        _validate(Q, K, V, is_causal, for_triton=False)
+        O, L = tiled_forward_pytorch(Q, K, V, is_causal)
+        ctx.save_for_backward(L, Q, K, V, O)
+        ctx.is_causal = is_causal
+        return O
+
+    @staticmethod
+    def backward(ctx, dO: torch.Tensor):
+        L, Q, K, V, O = ctx.saved_tensors
+        return (*compiled_backward(Q, K, V, O, dO, L, ctx.is_causal), None)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------------------
+def _as_batched(x: torch.Tensor) -> torch.Tensor:
+    """(..., seq, d) -> (batch, seq, d) with a contiguous last dim, as the kernels index it."""
+    x = x.reshape(-1, *x.shape[-2:])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _triton_forward(ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    _validate(Q, K, V, is_causal, for_triton=True)
+    O, L = flash_triton.flash_forward(_as_batched(Q), _as_batched(K), _as_batched(V), is_causal)
+    O, L = O.view(Q.shape), L.view(Q.shape[:-1])
+    ctx.save_for_backward(L, Q, K, V, O)
+    ctx.is_causal = is_causal
+    return O
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 in Triton: forward (Algorithm 1) and an atomic-free two-pass backward."""
+
+    @staticmethod
+    def forward(ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        return _triton_forward(ctx, Q, K, V, is_causal)
+
+    @staticmethod
+    def backward(ctx, dO: torch.Tensor):
+        L, Q, K, V, O = ctx.saved_tensors
+        dQ, dK, dV = flash_triton.flash_backward(
+            _as_batched(Q), _as_batched(K), _as_batched(V), _as_batched(O), _as_batched(dO),
+            L.reshape(-1, Q.shape[-2]), ctx.is_causal,
+        )
+        return dQ.view(Q.shape), dK.view(K.shape), dV.view(V.shape), None
+
+
+class FlashAttentionTritonCompiledBackward(torch.autograd.Function):
+    """Triton forward with the PyTorch recomputation backward under torch.compile (the spec's part (d))."""
+
+    @staticmethod
+    def forward(ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+        return _triton_forward(ctx, Q, K, V, is_causal)
+
+    @staticmethod
+    def backward(ctx, dO: torch.Tensor):
+        L, Q, K, V, O = ctx.saved_tensors
+        return (*compiled_backward(Q, K, V, O, dO, L, ctx.is_causal), None)
+
+
+IMPLEMENTATIONS: dict[str, type[torch.autograd.Function]] = {
+    "triton": FlashAttentionTriton,
+    "triton_compiled_backward": FlashAttentionTritonCompiledBackward,
+    "pytorch": FlashAttentionPyTorch,
+}
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True, impl: str = "triton"
+) -> torch.Tensor:
+    """Attention of q (..., N_q, d) over k, v (..., N_k, d), e.g. (batch, heads, seq, d_head), by FlashAttention-2."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
+    return IMPLEMENTATIONS[impl].apply(q, k, v, is_causal)

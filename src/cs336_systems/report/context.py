@@ -1,0 +1,81 @@
+"""What a writeup section sees: the run's tidy results, a place for figures, and formatting helpers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: figures are files
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from cs336_systems.provenance import read_rows  # noqa: E402
+
+
+@dataclass
+class Context:
+    run: str
+    results: Path  # results/<run>
+    out_dir: Path  # report/<run>; figures go to out_dir/figures
+    provenances: list[dict[str, Any]] = field(default_factory=list)
+
+    def tables(self, deliverable: str) -> list[tuple[pd.DataFrame, dict[str, Any]]]:
+        """Every table under results/<run>/<deliverable>/, each with its provenance sidecar."""
+        found = []
+        for csv in sorted((self.results / deliverable).glob("*.csv")):
+            if csv.with_suffix(".json").exists():
+                frame, meta = read_rows(csv)
+                meta["file"] = str(csv.relative_to(self.results))
+                found.append((frame, meta))
+                self.provenances.append(meta)
+        return found
+
+    def table(self, deliverable: str) -> tuple[pd.DataFrame, list[dict[str, Any]]] | None:
+        """All tables of a deliverable concatenated, or None when the deliverable has not produced any."""
+        found = self.tables(deliverable)
+        if not found:
+            return None
+        return pd.concat([f for f, _ in found], ignore_index=True), [m for _, m in found]
+
+    def figure(self, fig: plt.Figure, name: str, alt: str) -> str:
+        """Save `fig` as figures/<name>.png and return its markdown image link (relative to the writeup)."""
+        path = self.out_dir / "figures" / f"{name}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        return f"![{alt}](figures/{name}.png)"
+
+
+def md(frame: pd.DataFrame, floatfmt: str = ".2f") -> str:
+    """A pandas table as GitHub markdown."""
+    return frame.to_markdown(index=False, floatfmt=floatfmt)
+
+
+def provenance_line(metas: list[dict[str, Any]]) -> str:
+    """One line naming the hardware and software that produced a section's numbers."""
+    seen = []
+    for meta in metas:
+        p = meta["provenance"]
+        count = p.get("device_count") or 0
+        device = f"{p['device_name']} ×{count}" if count else f"CPU ({p.get('cpu_threads')} threads)"
+        commit = (p.get("git_commit") or "unknown")[:10] + (" (dirty)" if p.get("git_dirty") else "")
+        text = f"{device}; torch {p['torch']}, CUDA {p.get('cuda') or '—'}, triton {p.get('triton') or '—'}; " \
+               f"commit {commit}; {p['timestamp'][:10]}"
+        if text not in seen:
+            seen.append(text)
+    return "_Measured on " + " | ".join(seen) + "._" if seen else ""
+
+
+def not_run(what: str) -> str:
+    return f"_{what} has no results in this run yet._"
+
+
+def skipped_reason(frame: pd.DataFrame) -> str | None:
+    """If every row of a table says `skipped`, the reason it gives (e.g. 'needs CUDA')."""
+    if "status" in frame and (frame["status"] == "skipped").all():
+        reasons = frame.get("reason", pd.Series(["not run"])).dropna().unique()
+        return "; ".join(map(str, reasons)) or "not run"
+    return None

@@ -1,0 +1,156 @@
+"""§1.1.3: forward / forward+backward / train-step times per model size and context length, and warm-up."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from cs336_systems.report.context import Context, md, not_run, provenance_line
+
+MODE_LABEL = {"forward": "forward", "forward_backward": "forward+backward", "train_step": "train step (AdamW)"}
+
+
+def step_stats(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Mean, std and median of the timed steps per cell; cells that ran out of memory keep an `OOM` marker."""
+    ok = frame[frame["status"] == "ok"]
+    stats = ok.groupby(keys, sort=False)["time_ms"].agg(mean_ms="mean", std_ms="std", median_ms="median")
+    stats = stats.reset_index()
+    oom = frame[frame["status"] == "OOM"][keys].drop_duplicates().assign(oom=True)
+    return pd.concat([stats, oom], ignore_index=True)
+
+
+def cell(row: pd.Series) -> str:
+    return "OOM" if row.get("oom") is True else f"{row['mean_ms']:.1f} ± {row['std_ms']:.1f}"
+
+
+def size_order(frame: pd.DataFrame) -> list[str]:
+    return list(dict.fromkeys(frame["size"]))
+
+
+def render(ctx: Context) -> str:
+    found = ctx.table("e2e")
+    if found is None:
+        return not_run("The end-to-end benchmark")
+    frame, metas = found
+    stats = step_stats(frame, ["size", "context_length", "mode"])
+    stats["cell"] = stats.apply(cell, axis=1)
+    table = stats.pivot_table(index=["size", "context_length"], columns="mode", values="cell", aggfunc="first",
+                              sort=False)
+    table = table.reindex(columns=[m for m in MODE_LABEL if m in table.columns]).rename(columns=MODE_LABEL)
+    warm = frame["warmup"].iloc[0]
+    steps = frame[frame["status"] == "ok"].groupby(["size", "context_length", "mode"]).size().max()
+    out = [
+        provenance_line(metas),
+        f"Batch size {frame['batch_size'].iloc[0]}, {warm} warm-up steps, {steps} timed steps, fp32, "
+        "`torch.cuda.synchronize()` after every step; mean ± standard deviation in milliseconds. "
+        "`forward` is inference (no autograd graph).",
+        "",
+        md(table.reset_index()),
+        "",
+        findings(stats),
+        "",
+        ctx.figure(plot(stats), f"e2e_{ctx.run}", "end-to-end step time per model size"),
+        "",
+        warmup_study(ctx),
+    ]
+    return "\n".join(out)
+
+
+def findings(stats: pd.DataFrame) -> str:
+    ok = stats[stats["oom"] != True]  # noqa: E712 - NaN means ran
+    sentences = []
+    wide = ok.pivot_table(index=["size", "context_length"], columns="mode", values="mean_ms", sort=False)
+    if {"forward", "forward_backward"} <= set(wide.columns):
+        ratio = (wide["forward_backward"] / wide["forward"]).dropna()
+        sentences.append(
+            f"Forward+backward costs {ratio.min():.1f}–{ratio.max():.1f}× the forward pass "
+            f"(median {ratio.median():.1f}×; backward does about twice the forward's matmul FLOPs)."
+        )
+    if {"forward_backward", "train_step"} <= set(wide.columns):
+        extra = ((wide["train_step"] / wide["forward_backward"] - 1) * 100).dropna()
+        med = extra.median()
+        sentences.append(
+            f"The AdamW step {'adds' if med >= 0 else 'changes'} {med:+.0f} % (median over cells) "
+            "relative to forward+backward alone."
+        )
+    largest = size_order(ok)[-1] if len(ok) else None
+    if largest is not None:
+        rows = ok[(ok["size"] == largest) & (ok["mode"] == "forward")].sort_values("context_length")
+        if len(rows) >= 2:
+            first, last = rows.iloc[0], rows.iloc[-1]
+            sentences.append(
+                f"For {largest}, going from context {first['context_length']} to {last['context_length']} "
+                f"({last['context_length'] / first['context_length']:.0f}× the tokens) multiplies the forward time "
+                f"by {last['mean_ms'] / first['mean_ms']:.1f}×."
+            )
+    spread = (ok["std_ms"] / ok["mean_ms"]).dropna()
+    if len(spread):
+        worst = spread.max()
+        verdict = "small" if worst < 0.05 else "large enough to matter when comparing close cells"
+        sentences.append(
+            f"Step-to-step spread is {verdict}: the coefficient of variation is at most {worst:.1%} "
+            f"(median {spread.median():.1%})."
+        )
+    oom = stats[stats["oom"] == True]  # noqa: E712
+    if len(oom):
+        cells = ", ".join(f"{r['size']}/{r['context_length']}/{MODE_LABEL[r['mode']]}" for _, r in oom.iterrows())
+        sentences.append(f"Out of memory: {cells}.")
+    return " ".join(sentences)
+
+
+def plot(stats: pd.DataFrame) -> plt.Figure:
+    ok = stats[stats["oom"] != True]  # noqa: E712
+    modes = [m for m in MODE_LABEL if m in set(ok["mode"])]
+    fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.4), sharey=True, squeeze=False)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for size in size_order(ok):
+            rows = ok[(ok["mode"] == mode) & (ok["size"] == size)].sort_values("context_length")
+            ax.errorbar(rows["context_length"], rows["mean_ms"], yerr=rows["std_ms"], marker="o", label=size)
+        ax.set(title=MODE_LABEL[mode], xlabel="context length", xscale="log", yscale="log")
+        ax.set_xticks(sorted(ok["context_length"].unique()), labels=sorted(ok["context_length"].unique()))
+    axes[0][0].set_ylabel("ms per step")
+    axes[0][-1].legend(title="size", fontsize=8)
+    return fig
+
+
+def warmup_study(ctx: Context) -> str:
+    found = ctx.table("e2e_warmup")
+    if found is None:
+        return not_run("The warm-up study")
+    frame, metas = found
+    stats = step_stats(frame, ["size", "context_length", "mode", "warmup"])
+    stats = stats[stats["oom"] != True]  # noqa: E712
+    first = frame[(frame["status"] == "ok") & (frame["step"] == 0)]
+    first = first.groupby(["size", "mode", "warmup"], sort=False)["time_ms"].first().rename("first_step_ms")
+    stats = stats.join(first, on=["size", "mode", "warmup"])
+    shown = stats[["size", "context_length", "mode", "warmup", "mean_ms", "std_ms", "median_ms", "first_step_ms"]]
+    out = [
+        "### Warm-up study (c)",
+        "",
+        provenance_line(metas),
+        "Each warm-up count runs in a fresh process, so the first timed step of the 0-warm-up run is the first "
+        "step the process ever ran.",
+        "",
+        md(shown),
+        "",
+    ]
+    sentences = []
+    for (size, mode), rows in stats.groupby(["size", "mode"], sort=False):
+        cold, warm = rows[rows["warmup"] == rows["warmup"].min()], rows[rows["warmup"] == rows["warmup"].max()]
+        if cold.empty or warm.empty or cold["warmup"].iloc[0] == warm["warmup"].iloc[0]:
+            continue
+        c, w = cold.iloc[0], warm.iloc[0]
+        sentences.append(
+            f"{size} {MODE_LABEL[mode]}: with {c['warmup']} warm-up steps the mean is {c['mean_ms'] / w['mean_ms']:.1f}× "
+            f"and the standard deviation {c['std_ms'] / max(w['std_ms'], 1e-9):.0f}× those with {w['warmup']}; "
+            f"the first timed step took {c['first_step_ms']:.0f} ms against a median of {w['median_ms']:.1f} ms."
+        )
+    out.append(" ".join(sentences))
+    out += [
+        "",
+        "Why: the first steps pay one-time costs that later steps do not — the CUDA context and cuBLAS handles are "
+        "created lazily, kernels are loaded and (for cuBLAS / Triton) heuristics or autotuning pick algorithms, and "
+        "the caching allocator grows its pool with `cudaMalloc` calls that later steps reuse. Without warm-up these "
+        "costs land in the mean and inflate the spread; one or two warm-up steps remove most of them.",
+    ]
+    return "\n".join(out)
