@@ -14,8 +14,8 @@ def _validate_config():
     try:
         validate(config, "config.schema.yaml")
     except WorkflowError as err:
-        cause = next((a for a in err.args if hasattr(a, "absolute_path")), None)
-        if cause is None:
+        cause = err.__cause__ or err.__context__  # the jsonschema ValidationError
+        if not hasattr(cause, "absolute_path"):
             raise
         key = ".".join(str(p) for p in cause.absolute_path) or "<top level>"
         raise WorkflowError(f"config.yaml: {key}: {cause.message}") from None

@@ -44,7 +44,9 @@ def ddp_bucketed_on_train_batch_start(ddp_model: Any, optimizer: torch.optim.Opt
     return None
 
 
-def get_sharded_optimizer(params, optimizer_cls: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+def get_sharded_optimizer(
+    params, optimizer_cls: type[torch.optim.Optimizer], **kwargs
+) -> torch.optim.Optimizer:
     from cs336_systems.sharded_optimizer import ShardedOptimizer
 
     return ShardedOptimizer(params, optimizer_cls, **kwargs)

@@ -35,7 +35,9 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
         if self.d_model % self.num_heads:
-            raise ValueError(f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+            raise ValueError(
+                f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
+            )
         if (self.d_model // self.num_heads) % 2:
             raise ValueError(f"ModelConfig: d_head={self.d_model // self.num_heads} must be even for RoPE")
         if self.attention not in ATTENTION:
@@ -167,7 +169,9 @@ class TransformerLM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab)."""
         if tokens.shape[-1] > self.cfg.context_length:
-            raise ValueError(f"sequence length {tokens.shape[-1]} exceeds context_length {self.cfg.context_length}")
+            raise ValueError(
+                f"sequence length {tokens.shape[-1]} exceeds context_length {self.cfg.context_length}"
+            )
         x = self.embedding(tokens)
         for block in self.blocks:
             x = block(x)

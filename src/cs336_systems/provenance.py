@@ -41,7 +41,7 @@ def collect() -> dict[str, Any]:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
     status = _git("status", "--porcelain", "--untracked-files=no")
     return {
-        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "python": platform.python_version(),

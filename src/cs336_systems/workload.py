@@ -41,7 +41,9 @@ def model_config(args: argparse.Namespace, context_length: int) -> ModelConfig:
     )
 
 
-def random_batch(cfg: ModelConfig, batch_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def random_batch(
+    cfg: ModelConfig, batch_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random token inputs and next-token targets of shape (batch, context_length)."""
     tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.context_length + 1), device=device)
     return tokens[:, :-1], tokens[:, 1:]

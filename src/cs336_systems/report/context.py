@@ -62,8 +62,10 @@ def provenance_line(metas: list[dict[str, Any]]) -> str:
         count = p.get("device_count") or 0
         device = f"{p['device_name']} ×{count}" if count else f"CPU ({p.get('cpu_threads')} threads)"
         commit = (p.get("git_commit") or "unknown")[:10] + (" (dirty)" if p.get("git_dirty") else "")
-        text = f"{device}; torch {p['torch']}, CUDA {p.get('cuda') or '—'}, triton {p.get('triton') or '—'}; " \
-               f"commit {commit}; {p['timestamp'][:10]}"
+        text = (
+            f"{device}; torch {p['torch']}, CUDA {p.get('cuda') or '—'}, triton {p.get('triton') or '—'}; "
+            f"commit {commit}; {p['timestamp'][:10]}"
+        )
         if text not in seen:
             seen.append(text)
     return "_Measured on " + " | ".join(seen) + "._" if seen else ""

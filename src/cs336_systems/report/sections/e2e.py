@@ -7,7 +7,11 @@ import pandas as pd
 
 from cs336_systems.report.context import Context, md, not_run, provenance_line
 
-MODE_LABEL = {"forward": "forward", "forward_backward": "forward+backward", "train_step": "train step (AdamW)"}
+MODE_LABEL = {
+    "forward": "forward",
+    "forward_backward": "forward+backward",
+    "train_step": "train step (AdamW)",
+}
 
 
 def step_stats(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -34,8 +38,9 @@ def render(ctx: Context) -> str:
     frame, metas = found
     stats = step_stats(frame, ["size", "context_length", "mode"])
     stats["cell"] = stats.apply(cell, axis=1)
-    table = stats.pivot_table(index=["size", "context_length"], columns="mode", values="cell", aggfunc="first",
-                              sort=False)
+    table = stats.pivot_table(
+        index=["size", "context_length"], columns="mode", values="cell", aggfunc="first", sort=False
+    )
     table = table.reindex(columns=[m for m in MODE_LABEL if m in table.columns]).rename(columns=MODE_LABEL)
     warm = frame["warmup"].iloc[0]
     steps = frame[frame["status"] == "ok"].groupby(["size", "context_length", "mode"]).size().max()
@@ -93,7 +98,9 @@ def findings(stats: pd.DataFrame) -> str:
         )
     oom = stats[stats["oom"] == True]  # noqa: E712
     if len(oom):
-        cells = ", ".join(f"{r['size']}/{r['context_length']}/{MODE_LABEL[r['mode']]}" for _, r in oom.iterrows())
+        cells = ", ".join(
+            f"{r['size']}/{r['context_length']}/{MODE_LABEL[r['mode']]}" for _, r in oom.iterrows()
+        )
         sentences.append(f"Out of memory: {cells}.")
     return " ".join(sentences)
 
@@ -123,7 +130,9 @@ def warmup_study(ctx: Context) -> str:
     first = frame[(frame["status"] == "ok") & (frame["step"] == 0)]
     first = first.groupby(["size", "mode", "warmup"], sort=False)["time_ms"].first().rename("first_step_ms")
     stats = stats.join(first, on=["size", "mode", "warmup"])
-    shown = stats[["size", "context_length", "mode", "warmup", "mean_ms", "std_ms", "median_ms", "first_step_ms"]]
+    shown = stats[
+        ["size", "context_length", "mode", "warmup", "mean_ms", "std_ms", "median_ms", "first_step_ms"]
+    ]
     out = [
         "### Warm-up study (c)",
         "",
@@ -136,7 +145,10 @@ def warmup_study(ctx: Context) -> str:
     ]
     sentences = []
     for (size, mode), rows in stats.groupby(["size", "mode"], sort=False):
-        cold, warm = rows[rows["warmup"] == rows["warmup"].min()], rows[rows["warmup"] == rows["warmup"].max()]
+        cold, warm = (
+            rows[rows["warmup"] == rows["warmup"].min()],
+            rows[rows["warmup"] == rows["warmup"].max()],
+        )
         if cold.empty or warm.empty or cold["warmup"].iloc[0] == warm["warmup"].iloc[0]:
             continue
         c, w = cold.iloc[0], warm.iloc[0]

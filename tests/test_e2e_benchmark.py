@@ -1,0 +1,99 @@
+"""The end-to-end benchmark CLI on CPU: tidy rows per timed step, provenance, OOM rows, flag errors."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from cs336_systems.experiments import e2e_benchmark
+
+TINY = [
+    "--size",
+    "tiny",
+    "--d-model",
+    "32",
+    "--d-ff",
+    "64",
+    "--num-layers",
+    "2",
+    "--num-heads",
+    "4",
+    "--vocab-size",
+    "101",
+    "--batch-size",
+    "2",
+]
+
+
+def test_writes_one_row_per_timed_step_with_provenance(tmp_path):
+    out = tmp_path / "e2e.csv"
+    e2e_benchmark.main(
+        [*TINY, "--context-lengths", "16", "32", "--warmup", "1", "--steps", "3", "--out", str(out)]
+    )
+    rows = pd.read_csv(out)
+    assert len(rows) == 2 * 3 * 3  # contexts x modes x steps
+    assert set(rows["mode"]) == {"forward", "forward_backward", "train_step"}
+    assert (rows["status"] == "ok").all() and (rows["time_ms"] > 0).all()
+    assert sorted(rows["step"].unique()) == [0, 1, 2]
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["params"]["context_lengths"] == [16, 32] and meta["rows"] == 18
+    assert meta["provenance"]["torch"] == torch.__version__
+
+
+def test_train_step_changes_parameters_and_forward_does_not():
+    from cs336_systems import workload
+    from cs336_systems.model import ModelConfig
+
+    cfg = ModelConfig(vocab_size=50, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=32)
+    model, optimizer = workload.build(cfg, torch.device("cpu"))
+    batch = workload.random_batch(cfg, 2, torch.device("cpu"))
+    before = [p.detach().clone() for p in model.parameters()]
+    workload.make_step(model, optimizer, batch, "forward")()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    workload.make_step(model, optimizer, batch, "train_step")()
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_out_of_memory_becomes_an_oom_row(tmp_path, monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(e2e_benchmark.workload, "build", no_memory)
+    out = tmp_path / "oom.csv"
+    e2e_benchmark.main(
+        [*TINY, "--context-lengths", "16", "--modes", "forward", "--steps", "2", "--out", str(out)]
+    )
+    rows = pd.read_csv(out)
+    assert rows["status"].tolist() == ["OOM"] and rows["time_ms"].isna().all()
+
+
+def test_other_errors_are_not_swallowed(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e_benchmark.workload, "build", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        e2e_benchmark.main([*TINY, "--context-lengths", "16", "--out", str(tmp_path / "x.csv")])
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--context-lengths", "0"], "--context-lengths must be positive"),
+    ],
+)
+def test_bad_flags_fail_before_any_work(tmp_path, capsys, flags, message):
+    args = [*TINY, "--context-lengths", "16", "--out", str(tmp_path / "x.csv")]
+    with pytest.raises(SystemExit):
+        e2e_benchmark.main(args + flags)
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.csv").exists()
+
+
+def test_cuda_without_a_gpu_is_an_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit, match="--device cuda: CUDA is not available"):
+        e2e_benchmark.main(
+            [*TINY, "--context-lengths", "16", "--device", "cuda", "--out", str(tmp_path / "x.csv")]
+        )
