@@ -3,8 +3,9 @@
 Subcommands:
   accumulation     the four loops of ADDENDUM.md, each adding 0.01 a thousand times (exact answer 10);
                    one row per loop with its value and |error|.
-  autocast-dtypes  the ToyModel with float32 parameters run under torch.autocast; one row per quantity with the
-                   dtype observed (forward hooks, the returned tensors, `.grad` after backward), per autocast dtype.
+  autocast-dtypes  the ToyModel with float32 parameters run under torch.autocast; one row per quantity with
+                   the dtype observed (forward hooks, returned tensors, `.grad` after backward) per autocast
+                   dtype.
 """
 
 from __future__ import annotations
@@ -50,26 +51,32 @@ def accumulation_rows() -> list[dict]:
     for variant, acc_dtype, addend_dtype, how in ACCUMULATION_VARIANTS:
         total = accumulate(acc_dtype, addend_dtype, cast_to_acc=how.startswith("explicit"))
         value = total.item()
-        rows.append({
-            "variant": variant,
-            "accumulator_dtype": dtype_name(acc_dtype),
-            "addend_dtype": dtype_name(addend_dtype),
-            "addend_cast": how,
-            "result_dtype": dtype_name(total.dtype),
-            "steps": STEPS,
-            "addend": ADDEND,
-            "value": value,
-            "abs_error": abs(value - EXACT_SUM),
-            "device": "cpu",
-        })
+        rows.append(
+            {
+                "variant": variant,
+                "accumulator_dtype": dtype_name(acc_dtype),
+                "addend_dtype": dtype_name(addend_dtype),
+                "addend_cast": how,
+                "result_dtype": dtype_name(total.dtype),
+                "steps": STEPS,
+                "addend": ADDEND,
+                "value": value,
+                "abs_error": abs(value - EXACT_SUM),
+                "device": "cpu",
+            }
+        )
     return rows
 
 
 def observe_autocast_dtypes(
-    device: torch.device, autocast_dtype: torch.dtype, seed: int = 0, batch: int = 4, in_features: int = 8,
+    device: torch.device,
+    autocast_dtype: torch.dtype,
+    seed: int = 0,
+    batch: int = 4,
+    in_features: int = 8,
     out_features: int = 5,
 ) -> list[dict]:
-    """Run one forward/backward of the ToyModel (float32 parameters) under autocast and report observed dtypes."""
+    """One forward/backward of the ToyModel (float32 parameters) under autocast; the dtypes observed."""
     torch.manual_seed(seed)
     model = ToyModel(in_features, out_features).to(device)
     observed: dict[str, tuple[set[torch.dtype], str]] = {}
@@ -98,7 +105,6 @@ def observe_autocast_dtypes(
         {
             "device": device.type,
             "autocast_dtype": dtype_name(autocast_dtype),
-            "parameter_dtype": "float32",
             "quantity": quantity,
             "dtype": ",".join(sorted(dtype_name(d) for d in observed[quantity][0])),
             "observed_by": observed[quantity][1],
@@ -126,7 +132,11 @@ def main(argv: list[str] | None = None) -> None:
         rows = accumulation_rows()
     else:
         device = resolve_device(args.device)
-        rows = [row for name in args.dtypes for row in observe_autocast_dtypes(device, AUTOCAST_DTYPES[name], args.seed)]
+        rows = [
+            row
+            for name in args.dtypes
+            for row in observe_autocast_dtypes(device, AUTOCAST_DTYPES[name], args.seed)
+        ]
     write_rows(rows, args.out, vars(args))
 
 
