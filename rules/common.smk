@@ -49,6 +49,8 @@ RESULTS = f"results/{RUN}"
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [f"{workflow.basedir}/src", os.environ.get("PYTHONPATH")]))
 os.environ["CS336_RUN"] = RUN
 PY = "python -m cs336_systems.experiments"
+# A single-GPU job holds one GPU (so `--resources gpu=N` runs N of them at once); on a CPU run it needs none.
+GPU_JOB = 1 if R["device"] == "cuda" else 0
 ALL_SIZES = config["model_sizes"]
 
 

@@ -13,6 +13,8 @@ rule e2e_benchmark:
         model=lambda w: model_flags(w.size),
         contexts=listed(E2E["context_lengths"]),
         device=R["device"],
+    resources:
+        gpu=GPU_JOB,
     log:
         f"{RESULTS}/logs/e2e/{{size}}.log",
     shell:
@@ -29,6 +31,8 @@ rule e2e_warmup_study:
     params:
         model=lambda w: model_flags(w.size),
         device=R["device"],
+    resources:
+        gpu=GPU_JOB,
     log:
         f"{RESULTS}/logs/e2e_warmup/{{size}}_w{{warmup}}.log",
     shell:
