@@ -97,7 +97,9 @@ def make_step(
 def build(
     cfg: ModelConfig, device: torch.device, compile: bool = False
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The model on `device` (optionally torch.compile'd) and its AdamW optimizer."""
-    model = TransformerLM(cfg).to(device)
+    """The model, initialised directly on `device` (a 3B-parameter init on the CPU takes minutes), optionally
+    torch.compile'd, and its AdamW optimizer (state is created lazily at the first step)."""
+    with torch.device(device):
+        model = TransformerLM(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return (torch.compile(model) if compile else model), optimizer

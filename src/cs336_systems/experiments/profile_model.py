@@ -37,6 +37,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch.autograd import DeviceType
@@ -102,6 +103,29 @@ def _is_kernel(event) -> bool:
         and event.name not in RANGES
         and not event.name.startswith("ProfilerStep")
     )
+
+
+def kineto_events(prof: profile) -> list[SimpleNamespace]:
+    """The profiler's raw events with the CPU-op -> kernel link (`linked_correlation_id`).
+
+    FunctionEvent carries that link only from torch 2.12 on; the raw Kineto events carry it in every 2.x release,
+    so the CUDA path reads those (times in microseconds on one clock, like FunctionEvent's).
+    """
+    events = []
+    for e in prof.profiler.kineto_results.events():
+        start, end = e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3
+        interval = SimpleNamespace(start=start, end=end, elapsed_us=lambda s=start, t=end: t - s)
+        events.append(
+            SimpleNamespace(
+                name=e.name(),
+                time_range=interval,
+                device_type=e.device_type(),
+                id=e.correlation_id(),
+                linked_correlation_id=e.linked_correlation_id(),
+                is_user_annotation=getattr(e, "is_user_annotation", lambda: False)(),
+            )
+        )
+    return events
 
 
 def range_rows(events: Iterable, steps: int, on_cuda: bool) -> list[dict]:
@@ -227,7 +251,7 @@ def profile_cell(
             "time_basis": "python timer",
         }
     ]
-    events = prof.events()
+    events = kineto_events(prof) if on_cuda else prof.events()
     rows += range_rows(events, args.steps, on_cuda)
     rows += kernel_rows(events, args.steps, on_cuda)
     flops = attention_flops(cfg, args.batch_size, cfg.context_length)
