@@ -1,4 +1,4 @@
-"""Distributed data parallel wrappers around a plain nn.Module, from naive to bucketed-with-overlap (spec §2.2-2.3).
+"""Data parallel wrappers around a plain nn.Module, from naive to bucketed with overlap (spec §2.2-2.3).
 
 Every wrapper broadcasts rank 0's parameters and buffers at construction and averages the gradients of the
 trainable parameters over ranks, so that a step on n/world_size examples per rank equals a single-process step
@@ -9,11 +9,12 @@ on all n. One interface for all four:
     ddp.finish_gradient_synchronization()   # gradients are averaged after this returns
     optimizer.step()
 
-The set of trainable parameters is fixed at construction. Each trainable parameter must receive a gradient in every
-step (one backward per finish_gradient_synchronization); otherwise finish_gradient_synchronization raises a
-RuntimeError naming the parameters that got none. Benchmarks set `measure_communication = True` to make
-finish_gradient_synchronization synchronise the device and record `last_communication_s`: the wall time it blocked
-on communication, i.e. all of it for naive/flat, only the part not hidden behind backward for overlap/bucketed.
+Move the model to its device before wrapping; the set of trainable parameters is fixed at construction. Each
+trainable parameter must receive a gradient in every step (one backward per finish_gradient_synchronization);
+otherwise finish_gradient_synchronization raises a RuntimeError naming the parameters that got none.
+Benchmarks set `measure_communication = True` to make finish_gradient_synchronization synchronise the device and
+record `last_communication_s`: the wall time it blocked on communication, i.e. all of it for naive/flat, only
+the part not hidden behind backward for overlap/bucketed.
 """
 
 from __future__ import annotations
@@ -34,11 +35,21 @@ class _DataParallel(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs an initialised process group (dist.init_process_group)")
+            raise RuntimeError(
+                f"{type(self).__name__} needs an initialised process group (dist.init_process_group)"
+            )
+        if dist.get_backend() == "nccl":
+            on_cpu = [
+                name for name, t in [*module.named_parameters(), *module.named_buffers()] if not t.is_cuda
+            ]
+            if on_cpu:
+                raise ValueError(
+                    f"backend nccl needs the model on its GPU before wrapping; on the CPU: {on_cpu}"
+                )
         self.module = module
         self.world_size = dist.get_world_size()
         with torch.no_grad():
-            # parameters() and buffers() yield a tied tensor once, so it is broadcast (and later reduced) once.
+            # parameters() and buffers() yield a tied tensor once: it is broadcast (and later reduced) once.
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor, src=0)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -56,8 +67,8 @@ class _DataParallel(nn.Module):
     def _grad_accumulated(self, index: int, param: nn.Parameter) -> None:
         if self._ready[index]:
             raise RuntimeError(
-                f"parameter {self.param_names[index]} got a second gradient before finish_gradient_synchronization; "
-                f"{type(self).__name__} supports one backward pass per step"
+                f"parameter {self.param_names[index]} got a second gradient before "
+                f"finish_gradient_synchronization; {type(self).__name__} supports one backward pass per step"
             )
         self._ready[index] = True
         self._on_grad_ready(index)
@@ -73,17 +84,17 @@ class _DataParallel(nn.Module):
         """Complete this step's gradient averaging; call after backward and before optimizer.step()."""
         device = self.params[0].device if self.params else torch.device("cpu")
         if self.measure_communication and device.type == "cuda":
-            # Wait for backward's kernels only: the communication streams keep running, so the timer below sees
+            # Wait for backward's kernels only: communication streams keep running, so the timer below sees
             # just the communication that backward did not hide.
             torch.cuda.current_stream(device).synchronize()
         start = time.perf_counter()
         try:
             self._synchronize()
-            missing = [name for name, ready in zip(self.param_names, self._ready) if not ready]
+            missing = [name for name, ready in zip(self.param_names, self._ready, strict=True) if not ready]
             if missing:
                 raise RuntimeError(
-                    f"{type(self).__name__}: no gradient this step for parameter(s) {missing}; every trainable "
-                    "parameter must take part in the loss (freeze unused ones with requires_grad_(False))"
+                    f"{type(self).__name__}: no gradient this step for parameter(s) {missing}; every "
+                    "trainable parameter must take part in the loss (freeze unused ones with requires_grad_(False))"
                 )
         finally:
             self._ready = [False] * len(self.params)
@@ -92,7 +103,7 @@ class _DataParallel(nn.Module):
         self.last_communication_s = time.perf_counter() - start
 
     def _ready_params(self) -> list[nn.Parameter]:
-        return [p for p, ready in zip(self.params, self._ready) if ready]
+        return [p for p, ready in zip(self.params, self._ready, strict=True) if ready]
 
 
 class NaiveDDP(_DataParallel):
@@ -111,7 +122,9 @@ class FlatDDP(_DataParallel):
         super().__init__(module)
         kinds = {(p.dtype, p.device) for p in self.params}
         if len(kinds) > 1:
-            raise ValueError(f"FlatDDP needs all trainable parameters on one dtype and device, got {sorted(kinds)}")
+            raise ValueError(
+                f"FlatDDP needs all trainable parameters on one dtype and device, got {sorted(kinds)}"
+            )
 
     def _synchronize(self) -> None:
         grads = [p.grad for p in self._ready_params()]
@@ -120,7 +133,7 @@ class FlatDDP(_DataParallel):
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat)
         flat.div_(self.world_size)
-        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(averaged)
 
 
@@ -143,26 +156,26 @@ class OverlapIndividualDDP(_DataParallel):
 
 
 class _Bucket:
-    """A persistent flat buffer holding the gradients of a group of parameters, reduced with one collective."""
+    """A persistent flat buffer for the gradients of a group of parameters, reduced with one collective."""
 
     def __init__(self, indices: list[int], params: list[nn.Parameter]):
         self.indices = indices
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        offsets = [0]
-        for p in params:
-            offsets.append(offsets[-1] + p.numel())
-        self.slots = {i: self.buffer[lo:hi] for i, lo, hi in zip(indices, offsets, offsets[1:])}
+        self.buffer = torch.zeros(
+            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+        )
+        # Views into the buffer, one per parameter, in bucket order.
+        self.slots = dict(zip(indices, self.buffer.split([p.numel() for p in params]), strict=True))
         self.num_ready = 0
         self.work: dist.Work | None = None
 
 
 class BucketedDDP(_DataParallel):
-    """Gradients packed into buckets of at most `bucket_size_mb` MiB, each all-reduced asynchronously as soon as
-    all of its gradients are ready.
+    """Gradients packed into buckets of at most `bucket_size_mb` MiB, each all-reduced asynchronously as soon
+    as all of its gradients are ready.
 
-    Buckets are filled in reverse registration order (roughly the order backward produces gradients); a parameter
-    larger than the cap gets a bucket of its own; bucket_size_mb None puts everything into one bucket. Buckets are
-    launched strictly in bucket order, so every rank issues the same sequence of collectives.
+    Buckets are filled in reverse registration order (roughly the order backward produces gradients); a
+    parameter larger than the cap gets a bucket of its own; bucket_size_mb None puts everything into one bucket.
+    Buckets are launched strictly in bucket order, so every rank issues the same sequence of collectives.
     """
 
     def __init__(self, module: nn.Module, bucket_size_mb: float | None = None):

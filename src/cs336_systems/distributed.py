@@ -46,8 +46,8 @@ def gpus_available() -> int:
 def setup_distributed(backend: str | None = None, timeout_s: float = 300.0) -> DistContext:
     """Join the process group described by torchrun's env:// variables.
 
-    backend None picks nccl when CUDA is available and gloo otherwise; nccl runs on cuda:LOCAL_RANK, gloo on CPU.
-    timeout_s bounds process-group setup and every later collective, so a lost peer ends in an error, not a hang.
+    backend None picks nccl when CUDA is available and gloo otherwise; nccl runs on cuda:LOCAL_RANK, gloo on
+    the CPU. timeout_s bounds process-group setup and every later collective: a lost peer ends in an error.
     """
     missing = [name for name in _LAUNCHER_VARIABLES if name not in os.environ]
     if missing:
@@ -63,7 +63,9 @@ def setup_distributed(backend: str | None = None, timeout_s: float = 300.0) -> D
 
     if backend == "nccl":
         if local_rank >= gpus_available():
-            raise RuntimeError(f"backend nccl needs a GPU for local rank {local_rank}, found {gpus_available()}")
+            raise RuntimeError(
+                f"backend nccl needs a GPU for local rank {local_rank}, found {gpus_available()}"
+            )
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         # device_id binds the group to this GPU so NCCL connects eagerly, inside the setup timeout.
@@ -78,8 +80,8 @@ def setup_distributed(backend: str | None = None, timeout_s: float = 300.0) -> D
 def distributed(backend: str | None = None, timeout_s: float = 300.0) -> Iterator[DistContext]:
     """Set up the process group, yield its context, and tear it down.
 
-    If this rank raises, the error is printed with the rank's number and the process exits at once with status 1:
-    torchrun then stops the other ranks, which would otherwise wait forever in their next collective.
+    If this rank raises, the error is printed with the rank's number and the process exits at once with
+    status 1: torchrun then stops the other ranks, which would otherwise wait in their next collective.
     """
     rank = os.environ.get("RANK", "?")
     try:

@@ -4,18 +4,18 @@
     loss.backward(); average_gradients(model)   # every rank holds the same averaged gradients
     optimizer.step()                             # each rank updates its shard, then all shards are exchanged
 
-Parameters are assigned to ranks whole, largest first to the least-loaded rank (`balanced_partition`), so every
-rank computes the same assignment without communicating. After the inner step the ranks exchange the updated
-shards with all-gathers of flat buffers, one series per (device type, dtype). On NCCL this beats one broadcast
-per owner: a ring all-gather moves (n-1)/n of the data over every link at once, in both directions, while a
-broadcast from one root uses the links of the ring in one direction only, so n broadcasts of Ψ/n take about
-n/(n-1) times as long (2x on 2 GPUs) and issue n collectives (or one per parameter) instead of one. The flat
-buffers are exchanged in chunks of at most `GATHER_CHUNK_BYTES` (received bytes), which bounds the transient
-memory of the exchange; shards shorter than the longest are padded.
+Parameters are assigned to ranks whole, largest first to the least-loaded rank (`balanced_partition`), so
+every rank computes the same assignment without communicating. After the inner step the ranks exchange the
+updated shards with all-gathers of flat buffers, one series per (device type, dtype). On NCCL this beats a
+broadcast from each owner: in a ring all-gather every rank sends its shard at the same time, so each link
+carries (n-1)/n of the Ψ parameters once, while broadcasts send one root's shard at a time down the whole
+chain, so each link carries all Ψ: about n/(n-1) times as long (2x on 2 GPUs), with n collectives (or one per
+parameter) instead of one. The buffers are exchanged in chunks of at most `GATHER_CHUNK_BYTES` (received
+bytes), which bounds the transient memory of the exchange; shards shorter than the longest are padded.
 
 Without an initialised process group the optimizer runs as world size 1 (one shard, no communication).
-`state_dict()` is collective: every rank returns the consolidated state in the format of `torch.optim`, indexed
-over all parameters, so a checkpoint loads at any world size (and into the plain `optimizer_cls`).
+`state_dict()` is collective: every rank returns the consolidated state in the format of `torch.optim`,
+indexed over all parameters, so a checkpoint loads at any world size (and into the plain `optimizer_cls`).
 """
 
 from __future__ import annotations
@@ -65,12 +65,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for index, param in enumerate(group["params"]):
             if not param.is_contiguous():
                 raise ValueError(
-                    f"ShardedOptimizer: parameter {index} of the new group (shape {tuple(param.shape)}) is not "
-                    "contiguous; shards are exchanged through flat buffers"
+                    f"ShardedOptimizer: parameter {index} of the new group (shape {tuple(param.shape)}) is "
+                    "not contiguous; shards are exchanged through flat buffers"
                 )
         new_params = list(dict.fromkeys(p for p in group["params"] if p not in self._owner))
-        owners, self.rank_loads = balanced_partition([p.numel() for p in new_params], self.world_size, self.rank_loads)
-        self._owner.update(zip(new_params, owners))
+        owners, self.rank_loads = balanced_partition(
+            [p.numel() for p in new_params], self.world_size, self.rank_loads
+        )
+        self._owner.update(zip(new_params, owners, strict=True))
 
         local_group = {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
         mine = [i for i, p in enumerate(group["params"]) if self._owner[p] == self.rank]
@@ -88,7 +90,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, **kwargs: Any) -> Any:
-        # param_groups is the user's handle (LR schedulers write to it): copy its hyperparameters to the shard.
+        # param_groups is the user's handle (LR schedulers write to it): copy its hyperparameters to the shard
         for group, local_group in zip(self.param_groups, self.local_optimizer.param_groups, strict=True):
             local_group.update({k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS})
         if closure is None:
@@ -103,11 +105,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Give every rank the updated parameters of every other rank's shard."""
         if self.world_size == 1:
             return
-        # Same order on every rank: param_groups order, each parameter once; frozen ones never change.
+        # Same order on every rank: param_groups order, each parameter once. A frozen parameter without a
+        # gradient is never updated, so it stays out (ranks agree on both flags, as they ran the same code).
         shards_by_kind: dict[tuple[str, torch.dtype], list[list[torch.Tensor]]] = {}
         for param in dict.fromkeys(p for group in self.param_groups for p in group["params"]):
-            if param.requires_grad:
-                shards = shards_by_kind.setdefault((param.device.type, param.dtype), [[] for _ in self.rank_loads])
+            if param.requires_grad or param.grad is not None:
+                shards = shards_by_kind.setdefault(
+                    (param.device.type, param.dtype), [[] for _ in self.rank_loads]
+                )
                 shards[self._owner[param]].append(param)
         for kind in sorted(shards_by_kind, key=str):
             self._all_gather_shards(shards_by_kind[kind])
@@ -152,22 +157,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
-                f"state_dict has {len(saved_groups)} parameter groups, this optimizer has {len(self.param_groups)}"
+                f"state_dict has {len(saved_groups)} parameter groups, this optimizer has "
+                f"{len(self.param_groups)}"
             )
         saved_index: dict[torch.Tensor, int] = {}
-        for number, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+        for number, (group, saved) in enumerate(zip(self.param_groups, saved_groups, strict=True)):
             if len(group["params"]) != len(saved["params"]):
                 raise ValueError(
                     f"parameter group {number} has {len(group['params'])} parameters, the state_dict's has "
                     f"{len(saved['params'])}"
                 )
-            for param, index in zip(group["params"], saved["params"]):
+            for param, index in zip(group["params"], saved["params"], strict=True):
                 saved_index.setdefault(param, index)
             group.update({k: v for k, v in saved.items() if k not in _NOT_HYPERPARAMETERS})
 
         # Re-index this rank's shard in the inner optimizer's own numbering (its groups, in order).
         local_state, local_groups, local_index = {}, [], 0
-        for local_group, saved in zip(self.local_optimizer.param_groups, saved_groups):
+        for local_group, saved in zip(self.local_optimizer.param_groups, saved_groups, strict=True):
             packed = {k: v for k, v in saved.items() if k not in _NOT_HYPERPARAMETERS}
             packed["params"] = []
             if "param_names" in local_group:
@@ -197,7 +203,7 @@ def _copy_flat_range(
     stop = min(start + buffer.numel(), offsets[-1])
     param_pieces, buffer_pieces = [], []
     first = bisect.bisect_right(offsets, start) - 1
-    for param, begin, end in zip(params[first:], offsets[first:], offsets[first + 1 :]):
+    for param, begin, end in zip(params[first:], offsets[first:-1], offsets[first + 1 :], strict=True):
         if begin >= stop:
             break
         lo, hi = max(begin, start), min(end, stop)

@@ -1,0 +1,141 @@
+"""All-reduce benchmark (spec §2.1.3): float32 tensors of several sizes, gloo on CPU or NCCL on GPU.
+
+Run under the launcher; rank 0 writes one row per size:
+    python -m torch.distributed.run --standalone --nproc-per-node 4 \
+        -m cs336_systems.experiments.allreduce_benchmark --backend nccl --sizes-mb 1 10 100 1000 --out X.csv
+Every timed iteration starts from a barrier and ends with a device synchronisation; an iteration's time is the
+slowest rank's, and the row gives median/mean/std over iterations plus bandwidths from the median:
+algbw = bytes / time, busbw = algbw * 2 (n - 1) / n (the traffic each link carries in a ring all-reduce).
+Where the machine lacks the GPUs, `--skip-reason TEXT --world-size N` writes `status=skipped` rows without the
+launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from cs336_systems.benchmarking import summarize, sync
+from cs336_systems.distributed import BACKENDS, distributed, gather_to_rank0
+from cs336_systems.provenance import write_rows
+
+BYTES_PER_MB = 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--backend", choices=BACKENDS, required=True, help="gloo all-reduces CPU tensors, nccl GPU ones"
+    )
+    p.add_argument(
+        "--sizes-mb", type=float, nargs="+", default=[1, 10, 100, 1000], help="tensor sizes in MiB"
+    )
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per size")
+    p.add_argument(
+        "--skip-reason", help="write status=skipped rows with this reason and exit (no launcher needed)"
+    )
+    p.add_argument("--world-size", type=int, help="world size recorded in skipped rows (with --skip-reason)")
+    p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
+    args = p.parse_args(argv)
+    if any(s <= 0 for s in args.sizes_mb):
+        p.error(f"--sizes-mb must be positive, got {args.sizes_mb}")
+    if args.warmup < 0 or args.iters < 1:
+        p.error(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
+    if args.skip_reason is not None and (args.world_size is None or args.world_size < 2):
+        p.error("--skip-reason needs --world-size N (N >= 2) for the rows it writes")
+    return args
+
+
+def skipped_rows(args: argparse.Namespace) -> list[dict]:
+    device = "cuda" if args.backend == "nccl" else "cpu"
+    return [
+        {
+            "backend": args.backend,
+            "device": device,
+            "world_size": args.world_size,
+            "size_mb": size_mb,
+            "status": "skipped",
+            "reason": args.skip_reason,
+        }
+        for size_mb in args.sizes_mb
+    ]
+
+
+def time_all_reduce(tensor: torch.Tensor, warmup: int, iters: int) -> list[float]:
+    """This rank's seconds for each timed all-reduce of `tensor`."""
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()  # start together, so a rank's time is the collective's, not its wait for late peers
+        sync(tensor.device)
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        sync(tensor.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        tensor.div_(dist.get_world_size())  # keep the values bounded; outside the timed region
+    return times
+
+
+def run(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    world_size = dist.get_world_size()
+    rows = []
+    for size_mb in args.sizes_mb:
+        numel = int(size_mb * BYTES_PER_MB) // 4
+        tensor = torch.rand(numel, dtype=torch.float32, device=device)
+        per_rank = gather_to_rank0(time_all_reduce(tensor, args.warmup, args.iters))
+        del tensor
+        if per_rank is None:
+            continue
+        slowest = [max(times) for times in zip(*per_rank, strict=True)]
+        median_s = statistics.median(slowest)
+        algbw = numel * 4 / median_s / 1e9
+        rows.append(
+            {
+                "backend": args.backend,
+                "device": device.type,
+                "world_size": world_size,
+                "size_mb": size_mb,
+                "bytes": numel * 4,
+                "warmup": args.warmup,
+                "iters": args.iters,
+                **summarize(slowest),
+                "min_ms": min(slowest) * 1e3,
+                "algbw_gbps": algbw,
+                "busbw_gbps": algbw * 2 * (world_size - 1) / world_size,
+                "status": "ok",
+                "reason": "",
+            }
+        )
+        print(
+            f"[allreduce] {args.backend} n={world_size} {size_mb} MiB: {rows[-1]['median_ms']:.3f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.skip_reason is not None:
+        if os.environ.get("RANK", "0") == "0":
+            write_rows(skipped_rows(args), args.out, vars(args))
+        return
+    with distributed(args.backend) as ctx:
+        if args.world_size is not None and args.world_size != ctx.world_size:
+            raise ValueError(
+                f"--world-size {args.world_size} but the launcher started {ctx.world_size} ranks"
+            )
+        rows = run(args, ctx.device)
+        if ctx.is_main:
+            write_rows(rows, args.out, {**vars(args), "world_size": ctx.world_size})
+
+
+if __name__ == "__main__":
+    main()
