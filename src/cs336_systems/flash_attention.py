@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from cs336_systems import flash_triton
+from cs336_systems.benchmarking import is_oom
 
 PYTORCH_TILE_SIZE = 32  # tiles of the pure-PyTorch forward (>= 16 x 16, as the spec asks)
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,7 +43,9 @@ def _validate(Q: object, K: object, V: object, is_causal: object, *, for_triton:
             f"V {tuple(V.shape)}"
         )
     if K.shape != V.shape:
-        raise ValueError(f"K and V must have the same shape (..., N_k, d): K {tuple(K.shape)}, V {tuple(V.shape)}")
+        raise ValueError(
+            f"K and V must have the same shape (..., N_k, d): K {tuple(K.shape)}, V {tuple(V.shape)}"
+        )
     if Q.shape[-1] != K.shape[-1]:
         raise ValueError(f"Q and K must have the same head dim d: Q {tuple(Q.shape)}, K {tuple(K.shape)}")
     if Q.shape[-2] == 0 or K.shape[-2] == 0:
@@ -62,7 +65,9 @@ def _validate(Q: object, K: object, V: object, is_causal: object, *, for_triton:
             f"use one of {flash_triton.SUPPORTED_HEAD_DIMS}"
         )
     if Q.dtype not in TRITON_DTYPES:
-        raise TypeError(f"Q, K, V dtype {Q.dtype} is not supported by the Triton kernels; use one of {TRITON_DTYPES}")
+        raise TypeError(
+            f"Q, K, V dtype {Q.dtype} is not supported by the Triton kernels; use one of {TRITON_DTYPES}"
+        )
     if Q.device.type != "cuda" and not flash_triton.INTERPRET:
         raise ValueError(
             f"the Triton kernels need CUDA tensors, but Q is on {Q.device}; "
@@ -111,7 +116,12 @@ def tiled_forward_pytorch(
 
 
 def flash_backward_reference(
-    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, O: torch.Tensor, dO: torch.Tensor, L: torch.Tensor,
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    O: torch.Tensor,
+    dO: torch.Tensor,
+    L: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward by recomputation (equations 13-19) in float32: P is rebuilt from L, no softmax needed."""
@@ -136,7 +146,12 @@ _compile_failed = False
 
 
 def compiled_backward(
-    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, O: torch.Tensor, dO: torch.Tensor, L: torch.Tensor,
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    O: torch.Tensor,
+    dO: torch.Tensor,
+    L: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`flash_backward_reference` under `torch.compile` on CUDA; eager on CPU or when compilation fails."""
@@ -148,9 +163,11 @@ def compiled_backward(
     try:
         return _compiled_backward(Q, K, V, O, dO, L, is_causal)
     except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to the same math, eagerly
-        if torch.cuda.is_available() and "out of memory" in str(exc).lower():
+        if is_oom(exc):
             raise
-        warnings.warn(f"torch.compile of the flash backward failed ({exc!r}); running it eagerly", stacklevel=2)
+        warnings.warn(
+            f"torch.compile of the flash backward failed ({exc!r}); running it eagerly", stacklevel=2
+        )
         _compile_failed = True
         return flash_backward_reference(Q, K, V, O, dO, L, is_causal)
 
@@ -159,7 +176,9 @@ class FlashAttentionPyTorch(torch.autograd.Function):
     """FlashAttention-2 in pure PyTorch: tiled forward, recomputation backward."""
 
     @staticmethod
-    def forward(ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    def forward(
+        ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False
+    ) -> torch.Tensor:
         _validate(Q, K, V, is_causal, for_triton=False)
         O, L = tiled_forward_pytorch(Q, K, V, is_causal)
         ctx.save_for_backward(L, Q, K, V, O)
@@ -176,9 +195,8 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 # Triton
 # ----------------------------------------------------------------------------------------------------------
 def _as_batched(x: torch.Tensor) -> torch.Tensor:
-    """(..., seq, d) -> (batch, seq, d) with a contiguous last dim, as the kernels index it."""
-    x = x.reshape(-1, *x.shape[-2:])
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """(..., seq, d) -> contiguous (batch, seq, d), the layout the kernels index (a view when x is contiguous)."""
+    return x.reshape(-1, *x.shape[-2:]).contiguous()
 
 
 def _triton_forward(ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool) -> torch.Tensor:
@@ -194,15 +212,22 @@ class FlashAttentionTriton(torch.autograd.Function):
     """FlashAttention-2 in Triton: forward (Algorithm 1) and an atomic-free two-pass backward."""
 
     @staticmethod
-    def forward(ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    def forward(
+        ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False
+    ) -> torch.Tensor:
         return _triton_forward(ctx, Q, K, V, is_causal)
 
     @staticmethod
     def backward(ctx, dO: torch.Tensor):
         L, Q, K, V, O = ctx.saved_tensors
         dQ, dK, dV = flash_triton.flash_backward(
-            _as_batched(Q), _as_batched(K), _as_batched(V), _as_batched(O), _as_batched(dO),
-            L.reshape(-1, Q.shape[-2]), ctx.is_causal,
+            _as_batched(Q),
+            _as_batched(K),
+            _as_batched(V),
+            _as_batched(O),
+            _as_batched(dO),
+            L.reshape(-1, Q.shape[-2]),
+            ctx.is_causal,
         )
         return dQ.view(Q.shape), dK.view(K.shape), dV.view(V.shape), None
 
@@ -211,7 +236,9 @@ class FlashAttentionTritonCompiledBackward(torch.autograd.Function):
     """Triton forward with the PyTorch recomputation backward under torch.compile (the spec's part (d))."""
 
     @staticmethod
-    def forward(ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    def forward(
+        ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False
+    ) -> torch.Tensor:
         return _triton_forward(ctx, Q, K, V, is_causal)
 
     @staticmethod

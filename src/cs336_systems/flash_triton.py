@@ -1,7 +1,7 @@
 """FlashAttention-2 Triton kernels: forward (Algorithm 1) and an atomic-free backward (Algorithm 2, two passes).
 
-Tensors reach these kernels as (batch, seq, d) with a contiguous last dimension; `flash_attention.py` does the
-reshaping, validation and autograd plumbing. Conventions shared by all kernels:
+Tensors reach these kernels as contiguous (batch, seq, d), so every row stride is the constexpr D;
+`flash_attention.py` does the reshaping, validation and autograd plumbing. Conventions shared by all kernels:
 
 - Scores are handled in base 2: s2 = (q . k) * scale * log2(e), so `exp2` replaces `exp` (one fewer multiply
   per score); the logsumexp L is stored in natural-log units, as the autograd contract requires.
@@ -10,6 +10,9 @@ reshaping, validation and autograd plumbing. Conventions shared by all kernels:
   tiles wholly above the diagonal are never visited.
 - EVEN_Q / EVEN_K say that a sequence length is a multiple of every tile size in use, which lets the compiler
   drop the bounds masks on loads and scores in the common case.
+- Accumulators (m, l, O, dQ, dK, dV) are float32; P and dS are cast to the input dtype before their matmuls.
+  For float32 inputs `tl.dot` uses TF32 on the GPU (Triton's default), so fp32 results agree with an fp32
+  reference to ~1e-3, not 1e-6 (the CPU interpreter computes exact fp32 dots).
 """
 
 from __future__ import annotations
@@ -25,7 +28,47 @@ import triton.language as tl
 # choice at import; the tests reload the module after setting TRITON_INTERPRET=1.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-LOG2E = 1.4426950408889634
+
+def _patch_interpreter() -> None:
+    """Work around two gaps of the Triton 3.6 interpreter that these kernels hit (compiled kernels are unaffected).
+
+    - Scalars are 1-element arrays and `range()` calls `int()` on them, an error since NumPy 2.4
+      (triton-lang/triton#9171): loop bounds derived from program_id fail. Squeeze first, as upstream's fix does.
+    - bfloat16 is stored as uint16 bit patterns and `tl.dot` multiplies those bits (triton-lang/triton#11584).
+      Widen bf16 operands to float32 first: exact, since a bf16 x bf16 product fits in float32, which is what the
+      GPU's bf16 MMA with float32 accumulation computes.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_cs336_patched", False):
+        return
+    patch_lang_tensor = interpreter._patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def patched_lang_tensor(tensor, scope) -> None:
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    def widen_bf16(x):
+        if x.dtype != tl.bfloat16:
+            return x
+        bits = x.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patched_lang_tensor
+    interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter._cs336_patched = True
+
+
+if INTERPRET:
+    _patch_interpreter()
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
@@ -44,15 +87,16 @@ if INTERPRET:
     _DKDV = _configs([(16, 32, 4, 1)])
     _DQ = _configs([(32, 16, 4, 1)])
 else:
-    # A small Hopper-oriented search; (64, 64, 4, 2) also fits fp32 inputs with d = 128 in shared memory.
+    # A small Hopper-oriented search, checked offline for sm_90 (shared memory fits, no register spills for bf16
+    # d = 64 and 128 in most configs); (64, 64, 4, 2) and (32, 64, 4, 2) also fit fp32 inputs with d = 128.
     _FWD = _configs(
-        [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)]
+        [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2)]
     )
     _DKDV = _configs(
-        [(64, 128, 8, 3), (64, 128, 4, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2)]
+        [(32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 8, 3), (32, 64, 4, 2)]
     )
     _DQ = _configs(
-        [(128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)]
+        [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)]
     )
 
 # Every tile size in use divides this, so "length % TILE_MULTIPLE == 0" means "no ragged tile".
@@ -61,17 +105,18 @@ _PREPROCESS_ROWS = 32 if INTERPRET else 128
 _KEY = ["N_QUERIES", "N_KEYS", "D", "IS_CAUSAL"]
 
 
+# The kernels keep Triton's usual compact argument lists; the formatter would put every argument on its own line.
+# fmt: off
 # ----------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_key_tiles(
-    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kk, stride_vk, offs_q, offs_k, lo, hi, N_KEYS, qk_scale,
-    K_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr,
-):
-    """Online-softmax update of one query tile over key tiles [lo, hi)."""
-    k_ptrs += lo * stride_kk
-    v_ptrs += lo * stride_vk
+def _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_scale,
+                   D: tl.constexpr, K_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+    """Online-softmax update of one query tile over the key tiles in [lo, hi)."""
+    offs_k = tl.arange(0, K_TILE_SIZE)
+    k_ptrs += lo * D
+    v_ptrs += lo * D
     for start_k in range(lo, hi, K_TILE_SIZE):
         cols = start_k + offs_k
         if BOUNDS_MASK:
@@ -85,27 +130,23 @@ def _fwd_key_tiles(
             s = tl.where(offs_q[:, None] >= cols[None, :], s, float("-inf"))
         if BOUNDS_MASK:
             s = tl.where(cols[None, :] < N_KEYS, s, float("-inf"))
-        # Each row's first visited tile holds key 0 <= its index, so m_new is finite and no exp2(-inf + inf).
+        # Each row's first visited tile holds key 0 <= its index, so m_new is finite: no exp2(-inf + inf).
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
         m_i = m_new
-        k_ptrs += K_TILE_SIZE * stride_kk
-        v_ptrs += K_TILE_SIZE * stride_vk
+        k_ptrs += K_TILE_SIZE * D
+        v_ptrs += K_TILE_SIZE * D
     return acc, l_i, m_i
 
 
 @triton.autotune(configs=_FWD, key=_KEY)
 @triton.jit
-def flash_fwd_kernel(
-    Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr,
-    stride_qb, stride_qq, stride_kb, stride_kk, stride_vb, stride_vk, stride_ob, stride_oq, stride_lb,
-    N_QUERIES, N_KEYS, scale,
-    D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
-    Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
-):
+def flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, N_QUERIES, N_KEYS, scale,
+                     D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
+                     Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     query_tile_index = tl.program_id(0)
     if IS_CAUSAL:
         # Later query tiles have the most key tiles; launching them first shortens the tail of the grid.
@@ -115,103 +156,89 @@ def flash_fwd_kernel(
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     offs_k = tl.arange(0, K_TILE_SIZE)
     offs_d = tl.arange(0, D)
-
-    q_ptrs = Q_ptr + batch_index * stride_qb + offs_q[:, None] * stride_qq + offs_d[None, :]
-    k_ptrs = K_ptr + batch_index * stride_kb + offs_k[:, None] * stride_kk + offs_d[None, :]
-    v_ptrs = V_ptr + batch_index * stride_vb + offs_k[:, None] * stride_vk + offs_d[None, :]
+    q_rows = batch_index * N_QUERIES + offs_q
+    k_ptrs = K_ptr + (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
+    v_ptrs = V_ptr + (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
     if EVEN_Q:
-        q = tl.load(q_ptrs)
+        q = tl.load(Q_ptr + q_rows[:, None] * D + offs_d[None, :])
     else:
-        q = tl.load(q_ptrs, mask=offs_q[:, None] < N_QUERIES, other=0.0)
+        q = tl.load(Q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=offs_q[:, None] < N_QUERIES, other=0.0)
 
-    qk_scale = scale * 1.4426950408889634  # log2(e): softmax in base 2
+    qk_scale = scale * LOG2E  # softmax in base 2
     m_i = tl.full([Q_TILE_SIZE], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Q_TILE_SIZE], dtype=tl.float32)
     acc = tl.zeros([Q_TILE_SIZE, D], dtype=tl.float32)
     if IS_CAUSAL:
         # Keys before the tile's first query are visible to all its rows; then the diagonal tiles, masked.
         off_diag_end = tl.minimum(q_start, N_KEYS)
-        acc, l_i, m_i = _fwd_key_tiles(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kk, stride_vk, offs_q, offs_k, 0, off_diag_end, N_KEYS,
-            qk_scale, K_TILE_SIZE, False, not EVEN_K,
-        )
+        acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, 0, off_diag_end, N_KEYS,
+                                       qk_scale, D, K_TILE_SIZE, False, not EVEN_K)
         diag_end = tl.minimum(q_start + Q_TILE_SIZE, N_KEYS)
-        acc, l_i, m_i = _fwd_key_tiles(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kk, stride_vk, offs_q, offs_k, q_start, diag_end, N_KEYS,
-            qk_scale, K_TILE_SIZE, True, not EVEN_K,
-        )
+        acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, q_start, diag_end, N_KEYS,
+                                       qk_scale, D, K_TILE_SIZE, True, not EVEN_K)
     else:
-        acc, l_i, m_i = _fwd_key_tiles(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kk, stride_vk, offs_q, offs_k, 0, N_KEYS, N_KEYS,
-            qk_scale, K_TILE_SIZE, False, not EVEN_K,
-        )
+        acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, 0, N_KEYS, N_KEYS,
+                                       qk_scale, D, K_TILE_SIZE, False, not EVEN_K)
 
-    o = acc / l_i[:, None]
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # back to natural-log units
-    o_ptrs = O_ptr + batch_index * stride_ob + offs_q[:, None] * stride_oq + offs_d[None, :]
-    l_ptrs = L_ptr + batch_index * stride_lb + offs_q
+    o = (acc / l_i[:, None]).to(O_ptr.dtype.element_ty)
+    lse = (m_i + tl.log2(l_i)) * LN2  # back to natural-log units
+    o_ptrs = O_ptr + q_rows[:, None] * D + offs_d[None, :]
     if EVEN_Q:
-        tl.store(o_ptrs, o.to(O_ptr.dtype.element_ty))
-        tl.store(l_ptrs, lse)
+        tl.store(o_ptrs, o)
+        tl.store(L_ptr + q_rows, lse)
     else:
-        tl.store(o_ptrs, o.to(O_ptr.dtype.element_ty), mask=offs_q[:, None] < N_QUERIES)
-        tl.store(l_ptrs, lse, mask=offs_q < N_QUERIES)
+        tl.store(o_ptrs, o, mask=offs_q[:, None] < N_QUERIES)
+        tl.store(L_ptr + q_rows, lse, mask=offs_q < N_QUERIES)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Backward: D = rowsum(O * dO), then one pass over key tiles (dK, dV) and one over query tiles (dQ).
-# Padded query rows load L = +inf, so their P is exactly 0 and they add nothing to dK, dV.
+# Padded query rows load L = +inf, so their P is exactly 0 and they add nothing to dK and dV.
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def flash_bwd_preprocess_kernel(
-    O_ptr, dO_ptr, Delta_ptr, stride_ob, stride_oq, stride_dob, stride_doq, stride_deltab,
-    N_QUERIES, D: tl.constexpr, ROWS: tl.constexpr,
-):
-    batch_index = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    offs_d = tl.arange(0, D)
-    in_bounds = rows < N_QUERIES
-    o = tl.load(O_ptr + batch_index * stride_ob + rows[:, None] * stride_oq + offs_d[None, :],
-                mask=in_bounds[:, None], other=0.0)
-    do = tl.load(dO_ptr + batch_index * stride_dob + rows[:, None] * stride_doq + offs_d[None, :],
-                 mask=in_bounds[:, None], other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta_ptr + batch_index * stride_deltab + rows, delta, mask=in_bounds)
+def flash_bwd_preprocess_kernel(O_ptr, dO_ptr, Delta_ptr, N_ROWS, D: tl.constexpr, ROWS: tl.constexpr):
+    """Delta = rowsum(O * dO) in float32 over all (batch * N_q) rows."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs = rows[:, None] * D + tl.arange(0, D)[None, :]
+    in_bounds = rows[:, None] < N_ROWS
+    o = tl.load(O_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
+    do = tl.load(dO_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
+    tl.store(Delta_ptr + rows, tl.sum(o * do, 1), mask=rows < N_ROWS)
 
 
 @triton.jit
-def _dkdv_query_tiles(
-    dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, stride_qq, stride_doq, offs_q, offs_k, lo, hi,
-    N_QUERIES, qk_scale, Q_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, EVEN_Q: tl.constexpr,
-):
-    """Accumulate dK, dV of one key tile over query tiles [lo, hi); works with transposed scores (keys x queries)."""
-    q_ptrs += lo * stride_qq
-    do_ptrs += lo * stride_doq
-    l_ptrs += lo
-    delta_ptrs += lo
+def _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, offs_k, lo, hi, N_QUERIES, qk_scale,
+                      D: tl.constexpr, Q_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, EVEN_Q: tl.constexpr):
+    """Accumulate dK, dV of one key tile over the query tiles in [lo, hi), in transposed (key x query) form."""
+    arange_q = tl.arange(0, Q_TILE_SIZE)
+    offs_d = tl.arange(0, D)
+    q_ptrs = Q_ptr + (q_row0 + lo + arange_q)[:, None] * D + offs_d[None, :]
+    do_ptrs = dO_ptr + (q_row0 + lo + arange_q)[:, None] * D + offs_d[None, :]
+    l_ptrs = L_ptr + q_row0 + lo + arange_q
+    delta_ptrs = Delta_ptr + q_row0 + lo + arange_q
     for start_q in range(lo, hi, Q_TILE_SIZE):
-        rows = start_q + offs_q
+        offs_q = start_q + arange_q
         if EVEN_Q:
             q = tl.load(q_ptrs)
             do = tl.load(do_ptrs)
-            lse2 = tl.load(l_ptrs) * 1.4426950408889634
+            lse2 = tl.load(l_ptrs) * LOG2E
             delta = tl.load(delta_ptrs)
         else:
-            in_bounds = rows < N_QUERIES
+            in_bounds = offs_q < N_QUERIES
             q = tl.load(q_ptrs, mask=in_bounds[:, None], other=0.0)
             do = tl.load(do_ptrs, mask=in_bounds[:, None], other=0.0)
-            lse2 = tl.load(l_ptrs, mask=in_bounds, other=float("inf")) * 1.4426950408889634
+            lse2 = tl.load(l_ptrs, mask=in_bounds, other=float("inf")) * LOG2E
             delta = tl.load(delta_ptrs, mask=in_bounds, other=0.0)
         s_t = tl.dot(k, tl.trans(q))
         if CAUSAL_MASK:
-            s_t = tl.where(rows[None, :] >= offs_k[:, None], s_t, float("-inf"))
+            s_t = tl.where(offs_q[None, :] >= offs_k[:, None], s_t, float("-inf"))
         p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
         dv = tl.dot(p_t.to(do.dtype), do, acc=dv)
         dp_t = tl.dot(v, tl.trans(do))
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, acc=dk)
-        q_ptrs += Q_TILE_SIZE * stride_qq
-        do_ptrs += Q_TILE_SIZE * stride_doq
+        q_ptrs += Q_TILE_SIZE * D
+        do_ptrs += Q_TILE_SIZE * D
         l_ptrs += Q_TILE_SIZE
         delta_ptrs += Q_TILE_SIZE
     return dk, dv
@@ -219,74 +246,52 @@ def _dkdv_query_tiles(
 
 @triton.autotune(configs=_DKDV, key=_KEY)
 @triton.jit
-def flash_bwd_dkdv_kernel(
-    Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr,
-    stride_qb, stride_qq, stride_kb, stride_kk, stride_vb, stride_vk, stride_dob, stride_doq,
-    stride_lb, stride_dkb, stride_dkk, stride_dvb, stride_dvk,
-    N_QUERIES, N_KEYS, scale,
-    D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
-    Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
-):
+def flash_bwd_dkdv_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, N_QUERIES, N_KEYS, scale,
+                          D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
+                          Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     batch_index = tl.program_id(1).to(tl.int64)
     k_start = tl.program_id(0) * K_TILE_SIZE
     offs_k = k_start + tl.arange(0, K_TILE_SIZE)
-    offs_q = tl.arange(0, Q_TILE_SIZE)
     offs_d = tl.arange(0, D)
-
-    k_ptrs = K_ptr + batch_index * stride_kb + offs_k[:, None] * stride_kk + offs_d[None, :]
-    v_ptrs = V_ptr + batch_index * stride_vb + offs_k[:, None] * stride_vk + offs_d[None, :]
+    kv_offs = (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
     # Key rows past N_KEYS load as zeros; their dK, dV rows are garbage but never stored.
     if EVEN_K:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+        k = tl.load(K_ptr + kv_offs)
+        v = tl.load(V_ptr + kv_offs)
     else:
-        k = tl.load(k_ptrs, mask=offs_k[:, None] < N_KEYS, other=0.0)
-        v = tl.load(v_ptrs, mask=offs_k[:, None] < N_KEYS, other=0.0)
+        k = tl.load(K_ptr + kv_offs, mask=offs_k[:, None] < N_KEYS, other=0.0)
+        v = tl.load(V_ptr + kv_offs, mask=offs_k[:, None] < N_KEYS, other=0.0)
 
-    q_ptrs = Q_ptr + batch_index * stride_qb + offs_q[:, None] * stride_qq + offs_d[None, :]
-    do_ptrs = dO_ptr + batch_index * stride_dob + offs_q[:, None] * stride_doq + offs_d[None, :]
-    l_ptrs = L_ptr + batch_index * stride_lb + offs_q
-    delta_ptrs = Delta_ptr + batch_index * stride_lb + offs_q
-
-    qk_scale = scale * 1.4426950408889634
+    q_row0 = batch_index * N_QUERIES
+    qk_scale = scale * LOG2E
     dk = tl.zeros([K_TILE_SIZE, D], dtype=tl.float32)
     dv = tl.zeros([K_TILE_SIZE, D], dtype=tl.float32)
     if IS_CAUSAL:
         # Queries before the key tile never see it; the diagonal query tiles are masked, later ones are not.
         diag_end = tl.minimum(k_start + K_TILE_SIZE, N_QUERIES)
-        dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, stride_qq, stride_doq, offs_q, offs_k,
-            k_start, diag_end, N_QUERIES, qk_scale, Q_TILE_SIZE, True, EVEN_Q,
-        )
-        dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, stride_qq, stride_doq, offs_q, offs_k,
-            k_start + K_TILE_SIZE, N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, False, EVEN_Q,
-        )
+        dk, dv = _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, offs_k, k_start, diag_end,
+                                   N_QUERIES, qk_scale, D, Q_TILE_SIZE, True, EVEN_Q)
+        dk, dv = _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, offs_k,
+                                   k_start + K_TILE_SIZE, N_QUERIES, N_QUERIES, qk_scale, D, Q_TILE_SIZE, False, EVEN_Q)
     else:
-        dk, dv = _dkdv_query_tiles(
-            dk, dv, k, v, q_ptrs, do_ptrs, l_ptrs, delta_ptrs, stride_qq, stride_doq, offs_q, offs_k,
-            0, N_QUERIES, N_QUERIES, qk_scale, Q_TILE_SIZE, False, EVEN_Q,
-        )
+        dk, dv = _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, offs_k, 0, N_QUERIES,
+                                   N_QUERIES, qk_scale, D, Q_TILE_SIZE, False, EVEN_Q)
     dk *= scale
-
-    dk_ptrs = dK_ptr + batch_index * stride_dkb + offs_k[:, None] * stride_dkk + offs_d[None, :]
-    dv_ptrs = dV_ptr + batch_index * stride_dvb + offs_k[:, None] * stride_dvk + offs_d[None, :]
     if EVEN_K:
-        tl.store(dk_ptrs, dk.to(dK_ptr.dtype.element_ty))
-        tl.store(dv_ptrs, dv.to(dV_ptr.dtype.element_ty))
+        tl.store(dK_ptr + kv_offs, dk.to(dK_ptr.dtype.element_ty))
+        tl.store(dV_ptr + kv_offs, dv.to(dV_ptr.dtype.element_ty))
     else:
-        tl.store(dk_ptrs, dk.to(dK_ptr.dtype.element_ty), mask=offs_k[:, None] < N_KEYS)
-        tl.store(dv_ptrs, dv.to(dV_ptr.dtype.element_ty), mask=offs_k[:, None] < N_KEYS)
+        tl.store(dK_ptr + kv_offs, dk.to(dK_ptr.dtype.element_ty), mask=offs_k[:, None] < N_KEYS)
+        tl.store(dV_ptr + kv_offs, dv.to(dV_ptr.dtype.element_ty), mask=offs_k[:, None] < N_KEYS)
 
 
 @triton.jit
-def _dq_key_tiles(
-    dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kk, stride_vk, offs_q, offs_k, lo, hi, N_KEYS, qk_scale,
-    K_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr,
-):
-    """Accumulate dQ of one query tile over key tiles [lo, hi)."""
-    k_ptrs += lo * stride_kk
-    v_ptrs += lo * stride_vk
+def _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_scale,
+                  D: tl.constexpr, K_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+    """Accumulate dQ of one query tile over the key tiles in [lo, hi)."""
+    offs_k = tl.arange(0, K_TILE_SIZE)
+    k_ptrs += lo * D
+    v_ptrs += lo * D
     for start_k in range(lo, hi, K_TILE_SIZE):
         cols = start_k + offs_k
         if BOUNDS_MASK:
@@ -299,27 +304,22 @@ def _dq_key_tiles(
         if CAUSAL_MASK:
             s = tl.where(offs_q[:, None] >= cols[None, :], s, float("-inf"))
         if BOUNDS_MASK:
-            # Not just cosmetic: exp2(0 - L) of a padded key can overflow when all real scores are very negative.
+            # Needed: exp2(0 - L) of a padded key can overflow when all of a row's real scores are very negative.
             s = tl.where(cols[None, :] < N_KEYS, s, float("-inf"))
         p = tl.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, acc=dq)
-        k_ptrs += K_TILE_SIZE * stride_kk
-        v_ptrs += K_TILE_SIZE * stride_vk
+        k_ptrs += K_TILE_SIZE * D
+        v_ptrs += K_TILE_SIZE * D
     return dq
 
 
 @triton.autotune(configs=_DQ, key=_KEY)
 @triton.jit
-def flash_bwd_dq_kernel(
-    Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr,
-    stride_qb, stride_qq, stride_kb, stride_kk, stride_vb, stride_vk, stride_dob, stride_doq,
-    stride_lb, stride_dqb, stride_dqq,
-    N_QUERIES, N_KEYS, scale,
-    D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
-    Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr,
-):
+def flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, N_QUERIES, N_KEYS, scale,
+                        D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
+                        Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     query_tile_index = tl.program_id(0)
     if IS_CAUSAL:
         query_tile_index = tl.num_programs(0) - 1 - query_tile_index  # heaviest tiles first
@@ -328,54 +328,44 @@ def flash_bwd_dq_kernel(
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     offs_k = tl.arange(0, K_TILE_SIZE)
     offs_d = tl.arange(0, D)
-
-    q_ptrs = Q_ptr + batch_index * stride_qb + offs_q[:, None] * stride_qq + offs_d[None, :]
-    do_ptrs = dO_ptr + batch_index * stride_dob + offs_q[:, None] * stride_doq + offs_d[None, :]
-    l_ptrs = L_ptr + batch_index * stride_lb + offs_q
-    delta_ptrs = Delta_ptr + batch_index * stride_lb + offs_q
+    q_rows = batch_index * N_QUERIES + offs_q
+    q_offs = q_rows[:, None] * D + offs_d[None, :]
     if EVEN_Q:
-        q = tl.load(q_ptrs)
-        do = tl.load(do_ptrs)
-        lse2 = tl.load(l_ptrs) * 1.4426950408889634
-        delta = tl.load(delta_ptrs)
+        q = tl.load(Q_ptr + q_offs)
+        do = tl.load(dO_ptr + q_offs)
+        lse2 = tl.load(L_ptr + q_rows) * LOG2E
+        delta = tl.load(Delta_ptr + q_rows)
     else:
         in_bounds = offs_q < N_QUERIES
-        q = tl.load(q_ptrs, mask=in_bounds[:, None], other=0.0)
-        do = tl.load(do_ptrs, mask=in_bounds[:, None], other=0.0)
-        lse2 = tl.load(l_ptrs, mask=in_bounds, other=float("inf")) * 1.4426950408889634
-        delta = tl.load(delta_ptrs, mask=in_bounds, other=0.0)
+        q = tl.load(Q_ptr + q_offs, mask=in_bounds[:, None], other=0.0)
+        do = tl.load(dO_ptr + q_offs, mask=in_bounds[:, None], other=0.0)
+        lse2 = tl.load(L_ptr + q_rows, mask=in_bounds, other=float("inf")) * LOG2E
+        delta = tl.load(Delta_ptr + q_rows, mask=in_bounds, other=0.0)
 
-    k_ptrs = K_ptr + batch_index * stride_kb + offs_k[:, None] * stride_kk + offs_d[None, :]
-    v_ptrs = V_ptr + batch_index * stride_vb + offs_k[:, None] * stride_vk + offs_d[None, :]
-    qk_scale = scale * 1.4426950408889634
+    k_ptrs = K_ptr + (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
+    v_ptrs = V_ptr + (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
+    qk_scale = scale * LOG2E
     dq = tl.zeros([Q_TILE_SIZE, D], dtype=tl.float32)
     if IS_CAUSAL:
         off_diag_end = tl.minimum(q_start, N_KEYS)
-        dq = _dq_key_tiles(
-            dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kk, stride_vk, offs_q, offs_k, 0, off_diag_end,
-            N_KEYS, qk_scale, K_TILE_SIZE, False, not EVEN_K,
-        )
+        dq = _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, 0, off_diag_end, N_KEYS, qk_scale,
+                           D, K_TILE_SIZE, False, not EVEN_K)
         diag_end = tl.minimum(q_start + Q_TILE_SIZE, N_KEYS)
-        dq = _dq_key_tiles(
-            dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kk, stride_vk, offs_q, offs_k, q_start, diag_end,
-            N_KEYS, qk_scale, K_TILE_SIZE, True, not EVEN_K,
-        )
+        dq = _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, q_start, diag_end, N_KEYS, qk_scale,
+                           D, K_TILE_SIZE, True, not EVEN_K)
     else:
-        dq = _dq_key_tiles(
-            dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_kk, stride_vk, offs_q, offs_k, 0, N_KEYS,
-            N_KEYS, qk_scale, K_TILE_SIZE, False, not EVEN_K,
-        )
-    dq *= scale
-
-    dq_ptrs = dQ_ptr + batch_index * stride_dqb + offs_q[:, None] * stride_dqq + offs_d[None, :]
+        dq = _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, 0, N_KEYS, N_KEYS, qk_scale,
+                           D, K_TILE_SIZE, False, not EVEN_K)
+    dq = (dq * scale).to(dQ_ptr.dtype.element_ty)
     if EVEN_Q:
-        tl.store(dq_ptrs, dq.to(dQ_ptr.dtype.element_ty))
+        tl.store(dQ_ptr + q_offs, dq)
     else:
-        tl.store(dq_ptrs, dq.to(dQ_ptr.dtype.element_ty), mask=offs_q[:, None] < N_QUERIES)
+        tl.store(dQ_ptr + q_offs, dq, mask=offs_q[:, None] < N_QUERIES)
+# fmt: on
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launchers: (batch, seq, d) tensors whose last dimension is contiguous.
+# Launchers: contiguous (batch, seq, d) tensors.
 # ----------------------------------------------------------------------------------------------------------
 def _shape_args(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> dict:
     n_queries, n_keys, d = q.shape[1], k.shape[1], q.shape[2]
@@ -395,56 +385,34 @@ def flash_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (batch, N_q, d) in q's dtype and the logsumexp L (batch, N_q) in float32."""
     batch, n_queries, _ = q.shape
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    o = torch.empty_like(q)
     lse = torch.empty((batch, n_queries), dtype=torch.float32, device=q.device)
-
-    def grid(meta):
-        return (triton.cdiv(n_queries, meta["Q_TILE_SIZE"]), batch)
-
-    flash_fwd_kernel[grid](
-        q, k, v, o, lse,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0),
-        **_shape_args(q, k, is_causal),
-    )
+    grid = lambda meta: (triton.cdiv(n_queries, meta["Q_TILE_SIZE"]), batch)
+    flash_fwd_kernel[grid](q, k, v, o, lse, **_shape_args(q, k, is_causal))
     return o, lse
 
 
 def flash_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L, without atomics."""
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
-    lse = lse.contiguous()
     delta = torch.empty_like(lse)
-    flash_bwd_preprocess_kernel[(triton.cdiv(n_queries, _PREPROCESS_ROWS), batch)](
-        o, do, delta, o.stride(0), o.stride(1), do.stride(0), do.stride(1), delta.stride(0),
-        n_queries, D=d, ROWS=_PREPROCESS_ROWS,
+    n_rows = batch * n_queries
+    flash_bwd_preprocess_kernel[(triton.cdiv(n_rows, _PREPROCESS_ROWS),)](
+        o, do, delta, n_rows, D=d, ROWS=_PREPROCESS_ROWS
     )
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     shape_args = _shape_args(q, k, is_causal)
-
-    def dkdv_grid(meta):
-        return (triton.cdiv(n_keys, meta["K_TILE_SIZE"]), batch)
-
-    flash_bwd_dkdv_kernel[dkdv_grid](
-        q, k, v, do, lse, delta, dk, dv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        lse.stride(0), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        **shape_args,
-    )
-
-    def dq_grid(meta):
-        return (triton.cdiv(n_queries, meta["Q_TILE_SIZE"]), batch)
-
-    flash_bwd_dq_kernel[dq_grid](
-        q, k, v, do, lse, delta, dq,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
-        lse.stride(0), dq.stride(0), dq.stride(1),
-        **shape_args,
-    )
+    dkdv_grid = lambda meta: (triton.cdiv(n_keys, meta["K_TILE_SIZE"]), batch)
+    flash_bwd_dkdv_kernel[dkdv_grid](q, k, v, do, lse, delta, dk, dv, **shape_args)
+    dq_grid = lambda meta: (triton.cdiv(n_queries, meta["Q_TILE_SIZE"]), batch)
+    flash_bwd_dq_kernel[dq_grid](q, k, v, do, lse, delta, dq, **shape_args)
     return dq, dk, dv

@@ -1,0 +1,133 @@
+"""§1.3.2–1.3.4: FlashAttention-2 in Triton against naive PyTorch attention and SDPA, and the leaderboard timing."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from cs336_systems.report.context import Context, md, not_run, provenance_line, skipped_reason
+
+PASSES = ["forward", "backward", "forward_backward"]
+IMPLS = {"triton": "ours (Triton)", "pytorch_naive": "naive PyTorch", "sdpa": "SDPA"}
+
+
+def render(ctx: Context) -> str:
+    return "\n\n".join([benchmark(ctx), leaderboard(ctx)])
+
+
+def cell(frame: pd.DataFrame) -> pd.Series:
+    return frame.apply(lambda r: f"{r['ms']:.3f}" if r["status"] == "ok" else r["status"], axis=1)
+
+
+def benchmark(ctx: Context) -> str:
+    found = ctx.table("flash")
+    if found is None:
+        return not_run("The FlashAttention-2 benchmark")
+    frame, metas = found
+    head = [
+        "### Benchmark grid (flash_benchmarking)",
+        "",
+        provenance_line(metas),
+        "",
+    ]
+    reason = skipped_reason(frame)
+    if reason:
+        return "\n".join(head + [f"_Not run on this machine: {reason}._"])
+    frame = frame.assign(cell=cell(frame))
+    head.append(
+        "Batch 1, one head, causal; `triton.testing.do_bench` medians in ms (`OOM` where the implementation ran out "
+        "of memory). Our kernel's largest |difference| from SDPA over the grid: "
+        f"{frame['max_abs_diff_vs_sdpa'].max():.2e} (bf16 rows dominate)."
+    )
+    out = head
+    for dtype, rows in frame.groupby("dtype", sort=False):
+        table = rows.pivot_table(index=["d_head", "seq_len"], columns=["pass", "impl"], values="cell",
+                                 aggfunc="first")
+        table.columns = [f"{p} · {IMPLS.get(i, i)}" for p, i in table.columns]
+        ordered = [f"{p} · {IMPLS[i]}" for p in PASSES for i in IMPLS if f"{p} · {IMPLS[i]}" in table.columns]
+        out += ["", f"**{dtype}**", "", md(table[ordered].reset_index())]
+    out += ["", findings(frame), "", ctx.figure(heatmap(frame), f"flash_speedup_{ctx.run}",
+                                                 "speedup of our kernel over naive attention and SDPA")]
+    return "\n".join(out)
+
+
+def speedups(frame: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    ok = frame[frame["status"] == "ok"]
+    wide = ok.pivot_table(index=["dtype", "pass", "d_head", "seq_len"], columns="impl", values="ms")
+    if "triton" not in wide or baseline not in wide:
+        return pd.DataFrame()
+    return (wide[baseline] / wide["triton"]).dropna().rename("speedup").reset_index()
+
+
+def findings(frame: pd.DataFrame) -> str:
+    sentences = []
+    for baseline in ("pytorch_naive", "sdpa"):
+        sp = speedups(frame, baseline)
+        fb = sp[sp["pass"] == "forward_backward"]
+        if fb.empty:
+            continue
+        best = fb.loc[fb["speedup"].idxmax()]
+        sentences.append(
+            f"Forward+backward, ours vs {IMPLS[baseline]}: median speedup {fb['speedup'].median():.2f}× over the "
+            f"cells where both ran (range {fb['speedup'].min():.2f}–{fb['speedup'].max():.2f}×; best at "
+            f"{best['dtype']}, d={best['d_head']}, seq={best['seq_len']})."
+        )
+    oom = frame[frame["status"] == "OOM"]
+    for impl, rows in oom.groupby("impl"):
+        first = rows.sort_values("seq_len").iloc[0]
+        sentences.append(f"{IMPLS.get(impl, impl)} first runs out of memory at seq {first['seq_len']} "
+                         f"(d={first['d_head']}, {first['dtype']}).")
+    ours_ok = frame[(frame["impl"] == "triton") & (frame["status"] == "ok")]
+    if len(ours_ok):
+        sentences.append(f"Our kernel ran every length up to {ours_ok['seq_len'].max()}: its memory is linear in "
+                         "the sequence length, as it never materialises the score matrix.")
+    return " ".join(sentences)
+
+
+def heatmap(frame: pd.DataFrame) -> plt.Figure:
+    panels = [(dtype, base) for dtype in frame["dtype"].unique() for base in ("pytorch_naive", "sdpa")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
+    for ax, (dtype, base) in zip(axes[0], panels, strict=True):
+        sp = speedups(frame[frame["dtype"] == dtype], base)
+        sp = sp[sp["pass"] == "forward_backward"] if len(sp) else sp
+        if sp.empty:
+            ax.set_axis_off()
+            continue
+        grid = sp.pivot_table(index="d_head", columns="seq_len", values="speedup")
+        image = ax.imshow(np.log2(grid.values), cmap="RdBu", vmin=-3, vmax=3, aspect="auto")
+        ax.set_xticks(range(grid.shape[1]), labels=grid.columns, rotation=60, fontsize=7)
+        ax.set_yticks(range(grid.shape[0]), labels=grid.index)
+        for (i, j), value in np.ndenumerate(grid.values):
+            if not np.isnan(value):
+                ax.text(j, i, f"{value:.1f}", ha="center", va="center", fontsize=6)
+        ax.set(title=f"{dtype}: ours vs {IMPLS[base]} (fwd+bwd)", xlabel="sequence length", ylabel="d_head")
+    fig.colorbar(image, ax=axes[0].tolist(), label="log2 speedup (>0: ours faster)")
+    return fig
+
+
+def leaderboard(ctx: Context) -> str:
+    found = ctx.table("leaderboard")
+    if found is None:
+        return not_run("The leaderboard timing")
+    frame, metas = found
+    head = ["### Leaderboard (spec §1.3.3)", "", provenance_line(metas), ""]
+    reason = skipped_reason(frame)
+    if reason:
+        return "\n".join(head + [f"_Not run on this machine: {reason}._"])
+    p = frame.iloc[0]
+    shown = frame[["impl", "pass", "ms", "median_ms", "tflops", "status"]]
+    head += [
+        f"{p['heads']} heads × {p['seq_len']} tokens × d_head {p['d_head']}, bf16, causal; `do_bench` mean "
+        f"(as the spec's test prints). TFLOP/s convention: {p['flop_convention']}.",
+        "",
+        md(shown, floatfmt=".3f"),
+        "",
+    ]
+    ok = frame[(frame["status"] == "ok") & (frame["pass"] == "forward_backward")].set_index("impl")["ms"]
+    if "triton_compiled" in ok:
+        ours = ok["triton_compiled"]
+        ratios = [f"{ours / ok[b]:.2f}× the time of SDPA {b.split('_')[1]}" for b in ("sdpa_flash", "sdpa_cudnn")
+                  if b in ok]
+        head.append(f"Our compiled kernel takes {ours:.2f} ms for forward+backward: " + ", ".join(ratios) + ".")
+    return "\n".join(head)
