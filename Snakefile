@@ -4,6 +4,9 @@ configfile: "config.yaml"
 
 include: "rules/common.smk"
 include: "rules/e2e.smk"
+include: "rules/single_gpu.smk"
+include: "rules/flash.smk"
+include: "rules/distributed.smk"
 include: "rules/report.smk"
 
 

@@ -1,4 +1,5 @@
 # Shared helpers: config validation, the selected run, code dependencies, and the writeup's inputs.
+import functools
 import os
 import re
 from pathlib import Path
@@ -23,6 +24,7 @@ def _validate_config():
     for run_name, run in config["runs"].items():
         used = [(f"runs.{run_name}.{d}.sizes", s) for d in ("e2e", "mixed_precision", "compile", "profile")
                 for s in run[d]["sizes"]]
+        used += [(f"runs.{run_name}.e2e.warmup_study.sizes", s) for s in run["e2e"]["warmup_study"]["sizes"]]
         used += [(f"runs.{run_name}.{d}.size", run[d]["size"]) for d in ("memory", "ddp", "sharding")]
         for key, size in used:
             if size not in sizes:
@@ -57,6 +59,15 @@ ALL_SIZES = config["model_sizes"]
 wildcard_constraints:
     size="|".join(re.escape(s) for s in config["model_sizes"]),
     warmup=r"\d+",
+
+
+@functools.cache
+def gpu_count():
+    """GPUs visible to jobs, as the launcher counts them (CUDA_VISIBLE_DEVICES applies); torch is imported only
+    when a rule asks."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def code(*modules):

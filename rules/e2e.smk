@@ -43,5 +43,5 @@ rule e2e_warmup_study:
 
 
 WRITEUP_INPUTS += expand(f"{RESULTS}/e2e/{{size}}.csv", size=E2E["sizes"])
-WRITEUP_INPUTS += expand(f"{RESULTS}/e2e_warmup/{{size}}_w{{warmup}}.csv", size=E2E["sizes"],
+WRITEUP_INPUTS += expand(f"{RESULTS}/e2e_warmup/{{size}}_w{{warmup}}.csv", size=E2E["warmup_study"]["sizes"],
                          warmup=E2E["warmup_study"]["warmups"])

@@ -12,13 +12,14 @@ rule flash_benchmark:
     params:
         seq_lens=listed(FLASH["seq_lens"]),
         d_heads=listed(FLASH["d_heads"]),
+        timing=[FLASH["warmup_ms"], FLASH["rep_ms"]],
     resources:
         gpu=GPU_JOB,
     log:
         f"{RESULTS}/logs/flash/benchmark_{{dtype}}.log",
     shell:
         "{PY}.flash_benchmark --seq-lens {params.seq_lens} --d-heads {params.d_heads} --dtypes {wildcards.dtype} "
-        "--out {output[0]} 2> {log}"
+        "--warmup-ms {FLASH[warmup_ms]} --rep-ms {FLASH[rep_ms]} --out {output[0]} 2> {log}"
 
 
 rule flash_leaderboard:

@@ -102,7 +102,9 @@ else:
 # Every tile size in use divides this, so "length % TILE_MULTIPLE == 0" means "no ragged tile".
 TILE_MULTIPLE = max(max(c.kwargs["Q_TILE_SIZE"], c.kwargs["K_TILE_SIZE"]) for c in _FWD + _DKDV + _DQ)
 _PREPROCESS_ROWS = 32 if INTERPRET else 128
-_KEY = ["N_QUERIES", "N_KEYS", "D", "IS_CAUSAL"]
+# Autotune once per sequence-length bucket rather than per length: a sweep over 10 lengths would otherwise re-tune
+# (compile and time every config of three kernels) at each one. TUNE_BUCKET is a kernel argument only for this key.
+_KEY = ["TUNE_BUCKET", "D", "IS_CAUSAL"]
 
 
 # The kernels keep Triton's usual compact argument lists; the formatter would put every argument on its own line.
@@ -144,7 +146,7 @@ def _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_
 
 @triton.autotune(configs=_FWD, key=_KEY)
 @triton.jit
-def flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, N_QUERIES, N_KEYS, scale,
+def flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, N_QUERIES, N_KEYS, scale, TUNE_BUCKET,
                      D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
                      Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     query_tile_index = tl.program_id(0)
@@ -164,6 +166,7 @@ def flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, N_QUERIES, N_KEYS, scale
     else:
         q = tl.load(Q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=offs_q[:, None] < N_QUERIES, other=0.0)
 
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64, which would promote the tiles
     qk_scale = scale * LOG2E  # softmax in base 2
     m_i = tl.full([Q_TILE_SIZE], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Q_TILE_SIZE], dtype=tl.float32)
@@ -246,7 +249,7 @@ def _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, off
 
 @triton.autotune(configs=_DKDV, key=_KEY)
 @triton.jit
-def flash_bwd_dkdv_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, N_QUERIES, N_KEYS, scale,
+def flash_bwd_dkdv_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, N_QUERIES, N_KEYS, scale, TUNE_BUCKET,
                           D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
                           Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     batch_index = tl.program_id(1).to(tl.int64)
@@ -263,6 +266,7 @@ def flash_bwd_dkdv_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr,
         v = tl.load(V_ptr + kv_offs, mask=offs_k[:, None] < N_KEYS, other=0.0)
 
     q_row0 = batch_index * N_QUERIES
+    scale = tl.cast(scale, tl.float32)  # fp64 under torch.compile
     qk_scale = scale * LOG2E
     dk = tl.zeros([K_TILE_SIZE, D], dtype=tl.float32)
     dv = tl.zeros([K_TILE_SIZE, D], dtype=tl.float32)
@@ -317,7 +321,7 @@ def _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS
 
 @triton.autotune(configs=_DQ, key=_KEY)
 @triton.jit
-def flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, N_QUERIES, N_KEYS, scale,
+def flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, N_QUERIES, N_KEYS, scale, TUNE_BUCKET,
                         D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
                         Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     query_tile_index = tl.program_id(0)
@@ -344,6 +348,7 @@ def flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, N
 
     k_ptrs = K_ptr + (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
     v_ptrs = V_ptr + (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
+    scale = tl.cast(scale, tl.float32)  # fp64 under torch.compile
     qk_scale = scale * LOG2E
     dq = tl.zeros([Q_TILE_SIZE, D], dtype=tl.float32)
     if IS_CAUSAL:
@@ -367,12 +372,18 @@ def flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, N
 # ----------------------------------------------------------------------------------------------------------
 # Launchers: contiguous (batch, seq, d) tensors.
 # ----------------------------------------------------------------------------------------------------------
+def _tune_bucket(n: int) -> int:
+    """Short (<= 1024), medium (<= 8192) and long sequences get their own autotuned tile configs."""
+    return 0 if n <= 1024 else 1 if n <= 8192 else 2
+
+
 def _shape_args(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> dict:
     n_queries, n_keys, d = q.shape[1], k.shape[1], q.shape[2]
     return {
         "N_QUERIES": n_queries,
         "N_KEYS": n_keys,
         "scale": 1.0 / math.sqrt(d),
+        "TUNE_BUCKET": _tune_bucket(max(n_queries, n_keys)),
         "D": d,
         "IS_CAUSAL": is_causal,
         "EVEN_Q": n_queries % TILE_MULTIPLE == 0,

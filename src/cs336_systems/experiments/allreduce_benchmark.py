@@ -1,19 +1,17 @@
 """All-reduce benchmark (spec §2.1.3): float32 tensors of several sizes, gloo on CPU or NCCL on GPU.
 
-Run under the launcher; rank 0 writes one row per size:
-    python -m torch.distributed.run --standalone --nproc-per-node 4 \
-        -m cs336_systems.experiments.allreduce_benchmark --backend nccl --sizes-mb 1 10 100 1000 --out X.csv
+Run under the launcher (which records a `skipped` row where the machine lacks the GPUs); rank 0 writes one row
+per size:
+    python -m cs336_systems.launch --nproc 4 --backend nccl --out X.csv -- \
+        cs336_systems.experiments.allreduce_benchmark --sizes-mb 1 10 100 1000
 Every timed iteration starts from a barrier and ends with a device synchronisation; an iteration's time is the
 slowest rank's, and the row gives median/mean/std over iterations plus bandwidths from the median:
 algbw = bytes / time, busbw = algbw * 2 (n - 1) / n (the traffic each link carries in a ring all-reduce).
-Where the machine lacks the GPUs, `--skip-reason TEXT --world-size N` writes `status=skipped` rows without the
-launcher.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -38,34 +36,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size")
-    p.add_argument(
-        "--skip-reason", help="write status=skipped rows with this reason and exit (no launcher needed)"
-    )
-    p.add_argument("--world-size", type=int, help="world size recorded in skipped rows (with --skip-reason)")
     p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
     args = p.parse_args(argv)
     if any(s <= 0 for s in args.sizes_mb):
         p.error(f"--sizes-mb must be positive, got {args.sizes_mb}")
     if args.warmup < 0 or args.iters < 1:
         p.error(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
-    if args.skip_reason is not None and (args.world_size is None or args.world_size < 2):
-        p.error("--skip-reason needs --world-size N (N >= 2) for the rows it writes")
     return args
-
-
-def skipped_rows(args: argparse.Namespace) -> list[dict]:
-    device = "cuda" if args.backend == "nccl" else "cpu"
-    return [
-        {
-            "backend": args.backend,
-            "device": device,
-            "world_size": args.world_size,
-            "size_mb": size_mb,
-            "status": "skipped",
-            "reason": args.skip_reason,
-        }
-        for size_mb in args.sizes_mb
-    ]
 
 
 def time_all_reduce(tensor: torch.Tensor, warmup: int, iters: int) -> list[float]:
@@ -123,15 +100,7 @@ def run(args: argparse.Namespace, device: torch.device) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.skip_reason is not None:
-        if os.environ.get("RANK", "0") == "0":
-            write_rows(skipped_rows(args), args.out, vars(args))
-        return
     with distributed(args.backend) as ctx:
-        if args.world_size is not None and args.world_size != ctx.world_size:
-            raise ValueError(
-                f"--world-size {args.world_size} but the launcher started {ctx.world_size} ranks"
-            )
         rows = run(args, ctx.device)
         if ctx.is_main:
             write_rows(rows, args.out, {**vars(args), "world_size": ctx.world_size})

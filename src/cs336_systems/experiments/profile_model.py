@@ -19,7 +19,8 @@ FLOPs (`flops_per_step`, forward only, all layers: per call times calls per step
 context, d = d_head: attention/scores 2·B·H·S²·d (the Q Kᵀ matmul; scaling and masking not counted),
 attention/output 2·B·H·S²·d (P V), attention/softmax 5·B·H·S² (max, subtract, exp, sum, divide per score).
 
-`--trace-dir` keeps a Chrome/Perfetto trace per cell, `trace_<size>_<ctx>_<mode>.json`. `--nsys`: when `nsys`
+`--trace-dir` keeps a Chrome/Perfetto trace per mode at the first context length, `trace_<size>_<ctx>_<mode>.json`
+(a trace of every cell of the large models would be gigabytes of JSON and minutes of export). `--nsys`: when `nsys`
 is on the PATH, the same command is re-run under `nsys profile`; each cell then also runs its profiled steps
 under `torch.autograd.profiler.emit_nvtx()` (the record_function ranges become NVTX ranges; warm-up and
 profiled steps get NVTX ranges of their own).
@@ -281,7 +282,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 "steps": args.steps,
                 "device": device.type,
             }
-            trace = trace_dir / f"trace_{args.size}_{context_length}_{mode}.json" if trace_dir else None
+            traced = trace_dir is not None and context_length == args.context_lengths[0]
+            trace = trace_dir / f"trace_{args.size}_{context_length}_{mode}.json" if traced else None
             print(f"[profile] {args.size} ctx={context_length} {mode} ...", file=sys.stderr, flush=True)
             try:
                 rows += [

@@ -1,9 +1,10 @@
 """Optimizer state sharding: memory and time per iteration (ADDENDUM.md §3, sharding accounting a-b).
 
-Run under the launcher; rank 0 writes every rank's rows:
-    python -m torch.distributed.run --standalone --nproc-per-node 2 \
-        -m cs336_systems.experiments.sharding_benchmark --d-model 1600 --d-ff 6400 --num-layers 48 \
-        --num-heads 25 --batch-size 2 --context-length 512 --out X.csv
+Run under the launcher (which records a `skipped` row where the machine lacks the GPUs); rank 0 writes every
+rank's rows:
+    python -m cs336_systems.launch --nproc 2 --backend nccl --out X.csv -- \
+        cs336_systems.experiments.sharding_benchmark --d-model 1600 --d-ff 6400 --num-layers 48 \
+        --num-heads 25 --batch-size 2 --context-length 512
 
 Variants, in one run: `unsharded` (torch.optim.AdamW), `sharded` (our ShardedOptimizer over AdamW) and `zero`
 (torch.distributed.optim.ZeroRedundancyOptimizer over AdamW); gradients are averaged by FlatDDP (one flat
@@ -61,9 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--backend", choices=BACKENDS, help="default: nccl where there are GPUs, else gloo")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--skip-reason", help="write status=skipped rows with this reason and exit (no launcher needed)"
-    )
     p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
     args = p.parse_args(argv)
     for flag in ("batch_size", "context_length", "steps", "warmup"):
@@ -274,13 +272,6 @@ def run_variant(variant: str, args: argparse.Namespace, ctx: DistContext) -> lis
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.skip_reason is not None:
-        rows = [
-            {"variant": v, "size": args.size, "status": "skipped", "reason": args.skip_reason}
-            for v in args.variants
-        ]
-        write_rows(rows, args.out, vars(args))
-        return
     with distributed(args.backend) as ctx:
         rows = [row for variant in args.variants for row in run_variant(variant, args, ctx)]
         if ctx.is_main:

@@ -1,0 +1,165 @@
+# The single-GPU deliverables: §1.1.4 profiling, §1.1.5 mixed precision, §1.1.6 memory, §1.2.1 attention,
+# §1.3.1 torch.compile. The Transformer runs share e2e's batch size (and, for the bf16 and compile comparisons,
+# its warm-up and step counts), so their timings compare with §1.1.3's.
+PROFILE = R["profile"]
+MIXED = R["mixed_precision"]
+MEMORY = R["memory"]
+ATTENTION_GRID = R["attention"]
+COMPILE = R["compile"]
+NAIVE_ATTENTION_CODE = code("experiments/attention_benchmark.py", "model.py", "attention_memory.py", "benchmarking.py",
+                      "provenance.py")
+# The e2e CLI as §1.1.5 (c) and §1.3.1 (b) run it: two variants of one size in the same job.
+E2E_PAIR = ("{PY}.e2e_benchmark {params.model} --batch-size {params.batch_size} --context-lengths {params.contexts} "
+           "--warmup {params.warmup} --steps {params.steps} --device {params.device}")
+
+
+rule profile_model:
+    input:
+        code("experiments/profile_model.py") + MODEL_CODE,
+    output:
+        csv=f"{RESULTS}/profile/{{size}}.csv",
+        json=f"{RESULTS}/profile/{{size}}.json",
+        # Chrome traces (and the nsys report where nsys exists); large, ignored by git.
+        traces=directory(f"{RESULTS}/traces/{{size}}"),
+    params:
+        model=lambda w: model_flags(w.size),
+        contexts=listed(PROFILE["context_lengths"]),
+        batch_size=E2E["batch_size"],
+        warmup=PROFILE["warmup"],
+        steps=PROFILE["steps"],
+        device=R["device"],
+    log:
+        f"{RESULTS}/logs/profile/{{size}}.log",
+    shell:
+        "{PY}.profile_model {params.model} --batch-size {params.batch_size} --context-lengths {params.contexts} "
+        "--warmup {params.warmup} --steps {params.steps} --device {params.device} --nsys "
+        "--trace-dir {output.traces} --out {output.csv} 2> {log}"
+
+
+rule mixed_precision_accumulation:
+    input:
+        code("experiments/mixed_precision.py", "toy_model.py", "benchmarking.py", "provenance.py"),
+    output:
+        f"{RESULTS}/mixed_precision/accumulation.csv",
+        f"{RESULTS}/mixed_precision/accumulation.json",
+    log:
+        f"{RESULTS}/logs/mixed_precision/accumulation.log",
+    shell:
+        "{PY}.mixed_precision accumulation --out {output[0]} 2> {log}"
+
+
+rule mixed_precision_autocast_dtypes:
+    input:
+        code("experiments/mixed_precision.py", "toy_model.py", "benchmarking.py", "provenance.py"),
+    output:
+        f"{RESULTS}/mixed_precision/autocast_dtypes.csv",
+        f"{RESULTS}/mixed_precision/autocast_dtypes.json",
+    params:
+        device=R["device"],
+    log:
+        f"{RESULTS}/logs/mixed_precision/autocast_dtypes.log",
+    shell:
+        "{PY}.mixed_precision autocast-dtypes --dtypes float16 bfloat16 --device {params.device} "
+        "--out {output[0]} 2> {log}"
+
+
+# §1.1.5 (c): fp32 and bf16 autocast of one size in the same job, so both run on the same machine and state.
+rule mixed_precision_e2e:
+    input:
+        code("experiments/e2e_benchmark.py") + MODEL_CODE,
+    output:
+        fp32=f"{RESULTS}/mixed_precision_e2e/{{size}}_fp32.csv",
+        fp32_json=f"{RESULTS}/mixed_precision_e2e/{{size}}_fp32.json",
+        bf16=f"{RESULTS}/mixed_precision_e2e/{{size}}_bf16.csv",
+        bf16_json=f"{RESULTS}/mixed_precision_e2e/{{size}}_bf16.json",
+    params:
+        model=lambda w: model_flags(w.size),
+        contexts=listed(MIXED["context_lengths"]),
+        batch_size=E2E["batch_size"],
+        warmup=E2E["warmup"],
+        steps=E2E["steps"],
+        device=R["device"],
+    log:
+        f"{RESULTS}/logs/mixed_precision_e2e/{{size}}.log",
+    shell:
+        E2E_PAIR + " --modes forward forward_backward --autocast none --out {output.fp32} 2> {log} && "
+        + E2E_PAIR + " --modes forward forward_backward --autocast bf16 --out {output.bf16} 2>> {log}"
+
+
+rule memory_profile:
+    input:
+        code("experiments/memory_profile.py") + MODEL_CODE,
+    output:
+        peaks=f"{RESULTS}/memory/peaks.csv",
+        peaks_json=f"{RESULTS}/memory/peaks.json",
+        allocations=f"{RESULTS}/memory_allocations/largest.csv",
+        allocations_json=f"{RESULTS}/memory_allocations/largest.json",
+        # Snapshot pickles (large, ignored by git) and their timeline PNGs, which the writeup copies.
+        snapshots=directory(f"{RESULTS}/memory_snapshots"),
+    params:
+        model=model_flags(MEMORY["size"]),
+        contexts=listed(MEMORY["context_lengths"]),
+        batch_size=E2E["batch_size"],
+        device=R["device"],
+    log:
+        f"{RESULTS}/logs/memory/{MEMORY['size']}.log",
+    shell:
+        "{PY}.memory_profile {params.model} --batch-size {params.batch_size} --context-lengths {params.contexts} "
+        "--modes forward train_step --autocast none bf16 --device {params.device} "
+        "--snapshot-dir {output.snapshots} --allocations-out {output.allocations} --out {output.peaks} 2> {log}"
+
+
+# §1.2.1 and §1.3.1 (a): the eager and the compiled attention grid in one job.
+rule attention_benchmark:
+    input:
+        NAIVE_ATTENTION_CODE,
+    output:
+        f"{RESULTS}/attention/naive.csv",
+        f"{RESULTS}/attention/naive.json",
+    params:
+        d_heads=listed(ATTENTION_GRID["d_heads"]),
+        seq_lens=listed(ATTENTION_GRID["seq_lens"]),
+        batch_size=ATTENTION_GRID["batch_size"],
+        warmup=ATTENTION_GRID["warmup"],
+        passes=ATTENTION_GRID["passes"],
+        device=R["device"],
+    log:
+        f"{RESULTS}/logs/attention/naive.log",
+    shell:
+        "{PY}.attention_benchmark --batch-size {params.batch_size} --head-dims {params.d_heads} "
+        "--seq-lens {params.seq_lens} --warmup {params.warmup} --passes {params.passes} "
+        "--variants eager compiled --device {params.device} --out {output[0]} 2> {log}"
+
+
+# §1.3.1 (b): the Transformer eager and torch.compile'd, in the same job, with e2e's warm-up and steps.
+rule compile_e2e:
+    input:
+        code("experiments/e2e_benchmark.py") + MODEL_CODE,
+    output:
+        eager=f"{RESULTS}/compile/{{size}}_eager.csv",
+        eager_json=f"{RESULTS}/compile/{{size}}_eager.json",
+        compiled=f"{RESULTS}/compile/{{size}}_compiled.csv",
+        compiled_json=f"{RESULTS}/compile/{{size}}_compiled.json",
+    params:
+        model=lambda w: model_flags(w.size),
+        contexts=listed(COMPILE["context_lengths"]),
+        batch_size=E2E["batch_size"],
+        warmup=E2E["warmup"],
+        steps=E2E["steps"],
+        device=R["device"],
+    log:
+        f"{RESULTS}/logs/compile/{{size}}.log",
+    shell:
+        E2E_PAIR + " --modes forward train_step --out {output.eager} 2> {log} && "
+        + E2E_PAIR + " --modes forward train_step --compile --out {output.compiled} 2>> {log}"
+
+
+WRITEUP_INPUTS += expand(f"{RESULTS}/profile/{{size}}.csv", size=PROFILE["sizes"])
+WRITEUP_INPUTS += [f"{RESULTS}/mixed_precision/accumulation.csv", f"{RESULTS}/mixed_precision/autocast_dtypes.csv"]
+WRITEUP_INPUTS += expand(f"{RESULTS}/mixed_precision_e2e/{{size}}_{{precision}}.csv", size=MIXED["sizes"],
+                         precision=["fp32", "bf16"])
+WRITEUP_INPUTS += [f"{RESULTS}/memory/peaks.csv", f"{RESULTS}/memory_allocations/largest.csv",
+                   f"{RESULTS}/memory_snapshots"]
+WRITEUP_INPUTS += [f"{RESULTS}/attention/naive.csv"]
+WRITEUP_INPUTS += expand(f"{RESULTS}/compile/{{size}}_{{variant}}.csv", size=COMPILE["sizes"],
+                         variant=["eager", "compiled"])

@@ -1,0 +1,268 @@
+"""§1.1.6: CUDA memory snapshots of the forward pass and the training step; peaks in fp32 and bf16."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from typing import Any
+
+import pandas as pd
+
+from cs336_systems.model import ModelConfig
+from cs336_systems.report.context import Context, md, not_run, provenance_line, skipped_reason
+
+MIB = 2**20
+MODE_LABEL = {"forward": "forward", "train_step": "train step"}
+PRECISION_LABEL = {"none": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
+
+
+def render(ctx: Context) -> str:
+    found = ctx.table("memory")
+    if found is None:
+        return not_run("Memory profiling")
+    frame, metas = found
+    params = metas[0]["params"]
+    peaks = frame[frame["record"] == "peak"]
+    residual = frame[frame["record"] == "residual_activation"]
+    out = [
+        provenance_line(metas),
+        f"Model {params['size']}, batch size {params['batch_size']}; per cell {params['warmup']} warm-up step(s) "
+        f"(so a train step's AdamW state exists), then {params['steps']} step(s) recorded with "
+        "`torch.cuda.memory._record_memory_history(max_entries=1_000_000)`. The snapshots "
+        f"(`results/{ctx.run}/memory_snapshots/*.pickle`, open in https://pytorch.org/memory_viz) are not committed.",
+        "",
+    ]
+    reason = skipped_reason(peaks) if len(peaks) else "no peak rows"
+    if reason:
+        out += [
+            f"(a)–(c), (e): not measured in this run: {reason}.",
+            "",
+            "### (d) One residual-stream activation",
+            "",
+            residual_stream(residual),
+        ]
+        return "\n".join(out)
+    ok = peaks[peaks["status"] == "ok"]
+    parameter_mib = (
+        ModelConfig(
+            vocab_size=params["vocab_size"],
+            context_length=int(peaks["context_length"].max()),
+            d_model=params["d_model"],
+            num_layers=params["num_layers"],
+            num_heads=params["num_heads"],
+            d_ff=params["d_ff"],
+        ).num_parameters()
+        * 4
+        / MIB
+    )
+    out += [
+        "### (a) Active memory timelines",
+        "",
+        timelines(ctx, ok, parameter_mib),
+        "",
+        "### (b) Peak memory, fp32",
+        "",
+        peak_table(peaks),
+        "",
+        "### (c) Peak memory with bf16 autocast",
+        "",
+        precision_deltas(peaks),
+        "",
+        "### (d) One residual-stream activation",
+        "",
+        residual_stream(residual),
+        "",
+        "### (e) The largest allocations of the forward pass",
+        "",
+        largest_allocations(ctx, params),
+    ]
+    return "\n".join(out)
+
+
+def timelines(ctx: Context, ok: pd.DataFrame, parameter_mib: float) -> str:
+    """The fp32 timelines of the longest context that ran, forward and train step, copied into the figures."""
+    fp32 = ok[(ok["autocast"] == "none") & ok["snapshot"].notna()]
+    if fp32.empty:
+        return "_No fp32 cell produced a snapshot._"
+    out, sentences = [], []
+    for mode in MODE_LABEL:
+        rows = fp32[fp32["mode"] == mode].sort_values("context_length")
+        if rows.empty:
+            continue
+        row = rows.iloc[-1]  # the longest context that ran
+        context = int(row["context_length"])
+        png = ctx.results / "memory_snapshots" / str(row["snapshot"]).replace(".pickle", "_timeline.png")
+        if png.exists():
+            target = ctx.out_dir / "figures" / png.name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(png, target)
+            out.append(f"![{MODE_LABEL[mode]} memory timeline, context {context}](figures/{png.name})")
+        start, peak = row["start_allocated_mib"], row["peak_allocated_mib"]
+        sentences.append(
+            f"{MODE_LABEL[mode].capitalize()} (context {context}): the recorded step starts at {start:,.0f} MiB, "
+            f"{start / parameter_mib:.2f}× the {parameter_mib:,.0f} MiB of fp32 parameters, and peaks at "
+            f"{peak:,.0f} MiB, {peak - start:,.0f} MiB above its start."
+        )
+    sentences.append(
+        "Why: in the forward-only step (no autograd graph) each block's temporaries are freed as the next block "
+        "runs, so the timeline is a saw-tooth on top of the parameters that peaks where the largest temporaries "
+        "(attention scores, the logits and the loss) are alive. The train step starts from parameters, the last "
+        "step's gradients and AdamW's two moments (about 4× the parameters): memory climbs through the forward "
+        "pass as activations are saved for backward, falls through the backward pass as they are released while "
+        "gradients appear, and the optimizer step adds only small temporaries."
+    )
+    return "\n\n".join(out + [" ".join(sentences)])
+
+
+def peak_cell(row: pd.Series) -> str:
+    if row["status"] == "OOM":
+        return "OOM"
+    return f"{row['peak_allocated_mib']:,.0f}" if row["status"] == "ok" else str(row["status"])
+
+
+def peak_table(peaks: pd.DataFrame) -> str:
+    fp32 = peaks[peaks["autocast"] == "none"].assign(cell=lambda f: f.apply(peak_cell, axis=1))
+    table = fp32.pivot_table(index="context_length", columns="mode", values="cell", aggfunc="first")
+    table = table.reindex(columns=[m for m in MODE_LABEL if m in table.columns])
+    table.columns = [f"{MODE_LABEL[m]} peak MiB" for m in table.columns]
+    ok = fp32[fp32["status"] == "ok"].pivot_table(
+        index="context_length", columns="mode", values="peak_allocated_mib"
+    )
+    sentences = []
+    if {"forward", "train_step"} <= set(ok.columns) and len(ok.dropna()):
+        ratio = (ok["train_step"] / ok["forward"]).dropna()
+        sentences.append(
+            f"A full training step needs {ratio.min():.1f}–{ratio.max():.1f}× the forward pass's peak."
+        )
+    for mode in ok.columns:
+        series = ok[mode].dropna()
+        if len(series) >= 2:
+            first, last = series.index[0], series.index[-1]
+            sentences.append(
+                f"{MODE_LABEL[mode].capitalize()}: from context {first} to {last} the peak grows by "
+                f"{series[last] - series[first]:,.0f} MiB ({series[last] / series[first]:.2f}×)."
+            )
+    oom = fp32[fp32["status"] == "OOM"]
+    if len(oom):
+        sentences.append(
+            "Out of memory: "
+            + ", ".join(
+                f"{MODE_LABEL[r['mode']]} at context {r['context_length']}" for _, r in oom.iterrows()
+            )
+            + "."
+        )
+    return (
+        "Peak allocated memory (`torch.cuda.max_memory_allocated`) during the recorded step, MiB.\n\n"
+        + md(table.reset_index())
+        + "\n\n"
+        + " ".join(sentences)
+    )
+
+
+def precision_deltas(peaks: pd.DataFrame) -> str:
+    ok = peaks[peaks["status"] == "ok"]
+    wide = ok.pivot_table(index=["context_length", "mode"], columns="autocast", values="peak_allocated_mib")
+    if not {"none", "bf16"} <= set(wide.columns):
+        return "_Needs both fp32 and bf16 cells._"
+    cells = peaks.assign(cell=peaks.apply(peak_cell, axis=1)).pivot_table(
+        index=["context_length", "mode"], columns="autocast", values="cell", aggfunc="first"
+    )
+    table = pd.DataFrame({"fp32 peak MiB": cells["none"], "bf16 peak MiB": cells["bf16"]})
+    delta = pd.DataFrame(
+        {"Δ MiB": wide["bf16"] - wide["none"], "Δ %": 100 * (wide["bf16"] / wide["none"] - 1)}
+    ).reindex(table.index)
+    table["Δ MiB"] = delta["Δ MiB"].map(lambda v: f"{v:+,.0f}" if pd.notna(v) else "—")
+    table["Δ %"] = delta["Δ %"].map(lambda v: f"{v:+.1f} %" if pd.notna(v) else "—")
+    table = table.reset_index()
+    table["mode"] = table["mode"].map(MODE_LABEL)
+    delta = delta.reset_index().assign(mode=lambda f: f["mode"].map(MODE_LABEL))
+    sentences = []
+    for mode, rows in delta.dropna(subset=["Δ %"]).groupby("mode", sort=False):
+        sentences.append(
+            f"{mode.capitalize()}: bf16 changes the peak by {rows['Δ %'].min():+.0f} % to {rows['Δ %'].max():+.0f} % "
+            f"({rows['Δ MiB'].min():+,.0f} to {rows['Δ MiB'].max():+,.0f} MiB) over the context lengths."
+        )
+    sentences.append(
+        "Why: autocast keeps the fp32 parameters (and, in training, fp32 gradients and AdamW state: 16 bytes per "
+        "parameter that bf16 does not touch) and adds bf16 copies of the weights it casts; only activations "
+        "produced by matmuls become bf16, while norms, softmax and the loss stay fp32. So the saving grows with "
+        "the activations (longer contexts), and where fixed state or the weight copies dominate the peak moves "
+        "little or even grows."
+    )
+    return md(table) + "\n\n" + " ".join(sentences)
+
+
+def residual_stream(residual: pd.DataFrame) -> str:
+    if residual.empty:
+        return "_No residual-stream rows._"
+    rows = residual.sort_values("context_length")
+    parts = [
+        f"{int(r['batch_size'])} × {int(r['context_length'])} × {int(r['d_model'])} × 4 B = {int(r['bytes']):,} B "
+        f"= {r['mib']:.4g} MiB (context {int(r['context_length'])})"
+        for _, r in rows.iterrows()
+    ]
+    return (
+        "One residual-stream activation is a (batch × context × d_model) tensor of fp32 values, 4 bytes each, "
+        "and 1 MiB = 1024² bytes: " + "; ".join(parts) + "."
+    )
+
+
+def tensor_names(params: dict[str, Any], batch: int, context: int, dtype_bytes: int) -> dict[int, str]:
+    """Byte sizes of the tensors the model makes (rounded up to the allocator's 512-byte blocks) -> their names."""
+    d, d_ff, heads, vocab = params["d_model"], params["d_ff"], params["num_heads"], params["vocab_size"]
+    shapes = {
+        f"logits (B·T·V = {batch}·{context}·{vocab})": batch * context * vocab,
+        f"attention scores (B·H·T² = {batch}·{heads}·{context}²)": batch * heads * context**2,
+        f"feed-forward hidden (B·T·d_ff = {batch}·{context}·{d_ff})": batch * context * d_ff,
+        f"Q, K, V together (B·T·3d = {batch}·{context}·{3 * d})": batch * context * 3 * d,
+        f"residual stream (B·T·d = {batch}·{context}·{d})": batch * context * d,
+        f"embedding / LM-head weight (V·d = {vocab}·{d})": vocab * d,
+        f"feed-forward weight (d·d_ff = {d}·{d_ff})": d * d_ff,
+    }
+    names: dict[int, str] = {}
+    for element_bytes in sorted({dtype_bytes, 4}):
+        for name, count in shapes.items():
+            size = math.ceil(count * element_bytes / 512) * 512
+            names.setdefault(size, f"{name} × {element_bytes} B")
+    names.setdefault(math.ceil(context**2 / 512) * 512, f"causal mask (T² = {context}², bool)")
+    return names
+
+
+def largest_allocations(ctx: Context, params: dict[str, Any], top: int = 10) -> str:
+    found = ctx.table("memory_allocations")
+    if found is None:
+        return not_run("The largest-allocation list")
+    frame, _ = found
+    reason = skipped_reason(frame)
+    if reason:
+        return f"Not measured in this run: {reason}."
+    fp32 = frame[frame["autocast"] == "none"]
+    frame = fp32 if len(fp32) else frame
+    context = int(frame["context_length"].max())
+    rows = frame[frame["context_length"] == context].sort_values("rank").head(top)
+    autocast = rows["autocast"].iloc[0]
+    names = tensor_names(params, int(rows["batch_size"].iloc[0]), context, 2 if autocast != "none" else 4)
+    table = pd.DataFrame(
+        {
+            "rank": rows["rank"],
+            "MiB": rows["size_mib"],
+            "tensor (matched by size)": rows["size_bytes"].map(lambda b: names.get(int(b), "—")),
+            "allocated at": rows["origin"].fillna("(inside torch)"),
+            "stack (innermost first)": rows["stack"].fillna(""),
+        }
+    )
+    biggest = table.iloc[0]
+    same = table[table["MiB"] == biggest["MiB"]]
+    sentence = (
+        f"The largest allocation of the forward pass (context {context}, {PRECISION_LABEL.get(autocast, autocast)}) "
+        f"is {biggest['MiB']:,.1f} MiB, "
+        + (
+            f"the size of the {biggest['tensor (matched by size)']}, "
+            if biggest["tensor (matched by size)"] != "—"
+            else ""
+        )
+        + f"made at `{biggest['allocated at']}`"
+        + (f"; {len(same)} of the top {len(table)} have this size" if len(same) > 1 else "")
+        + "."
+    )
+    return md(table, floatfmt=",.1f") + "\n\n" + sentence
