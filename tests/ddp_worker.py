@@ -8,7 +8,9 @@ raise while rank 0 waits in a collective, to show the job ends quickly instead o
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -167,6 +169,20 @@ def check_second_backward_is_refused() -> None:
     ddp.finish_gradient_synchronization()
 
 
+def check_wrapped_models_are_freed() -> None:
+    """A benchmark wraps model after model: each must be freed once dropped, or GPU memory grows per variant."""
+    for name, (make_ddp, _) in wrappers(ToyModel).items():
+        model = ToyModel().to(DTYPE)
+        alive = weakref.ref(model)
+        ddp = make_ddp(model)
+        inputs, targets = ToyModel.batch(torch.Generator().manual_seed(0), 2)
+        nn.functional.mse_loss(ddp(inputs), targets).backward()
+        ddp.finish_gradient_synchronization()
+        del model, ddp
+        gc.collect()
+        assert alive() is None, f"{name}: the wrapped model is still alive after the wrapper was dropped"
+
+
 def run_equality() -> None:
     for _ in range(REPEATS):
         for model_class in (ToyModel, TiedModel):
@@ -175,6 +191,7 @@ def run_equality() -> None:
     for name, (make_ddp, _) in wrappers(ModelWithUnusedLayer).items():
         check_missing_gradient(name, make_ddp)
     check_second_backward_is_refused()
+    check_wrapped_models_are_freed()
     gathered = gather_to_rank0(dist.get_rank())
     if dist.get_rank() == 0:
         assert gathered == list(range(dist.get_world_size())), gathered

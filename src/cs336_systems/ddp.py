@@ -20,6 +20,7 @@ the part not hidden behind backward for overlap/bucketed.
 from __future__ import annotations
 
 import time
+import weakref
 from functools import partial
 from typing import Any
 
@@ -27,6 +28,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def _grad_accumulated(wrapper: weakref.ref, index: int, param: nn.Parameter) -> None:
+    if (live := wrapper()) is not None:
+        live._grad_accumulated(index, param)
 
 
 class _DataParallel(nn.Module):
@@ -58,8 +64,12 @@ class _DataParallel(nn.Module):
         self.measure_communication = False
         self.last_communication_s = 0.0
         self._ready = [False] * len(self.params)
+        # The hook holds the wrapper weakly: a strong reference would make parameter -> hook -> wrapper -> module ->
+        # parameter a cycle through autograd's C++ side, which the garbage collector cannot free, so every model
+        # ever wrapped (with its gradients and optimizer state) would stay on the GPU.
+        this = weakref.ref(self)
         for index, param in enumerate(self.params):
-            param.register_post_accumulate_grad_hook(partial(self._grad_accumulated, index))
+            param.register_post_accumulate_grad_hook(partial(_grad_accumulated, this, index))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
