@@ -52,7 +52,8 @@ def collect() -> dict[str, Any]:
         "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
         "device_count": torch.cuda.device_count() if cuda else 0,
         "cpu_threads": torch.get_num_threads(),
-        "git_commit": _git("rev-parse", "HEAD"),
+        # A copy of the tree without .git (as sent to a GPU machine) names its commit in CS336_GIT_COMMIT.
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("CS336_GIT_COMMIT"),
         "git_dirty": bool(status) if status is not None else None,
         "run": os.environ.get("CS336_RUN"),
     }

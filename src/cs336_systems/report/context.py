@@ -81,3 +81,12 @@ def skipped_reason(frame: pd.DataFrame) -> str | None:
         reasons = frame.get("reason", pd.Series(["not run"])).dropna().unique()
         return "; ".join(map(str, reasons)) or "not run"
     return None
+
+
+def model_order(metas: list[dict[str, Any]]) -> list[str]:
+    """Sizes from small to large by their non-embedding parameter count (file order is alphabetical)."""
+    weights = {}
+    for meta in metas:
+        p = meta["params"]
+        weights[p["size"]] = p["num_layers"] * (4 * p["d_model"] ** 2 + 3 * p["d_model"] * p["d_ff"])
+    return sorted(weights, key=weights.get)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from cs336_systems.report.context import Context, md, not_run, provenance_line
+from cs336_systems.report.context import Context, md, model_order, not_run, provenance_line
 
 MODE_LABEL = {
     "forward": "forward",
@@ -27,16 +27,16 @@ def cell(row: pd.Series) -> str:
     return "OOM" if row.get("oom") is True else f"{row['mean_ms']:.1f} ± {row['std_ms']:.1f}"
 
 
-def size_order(frame: pd.DataFrame) -> list[str]:
-    return list(dict.fromkeys(frame["size"]))
-
-
 def render(ctx: Context) -> str:
     found = ctx.table("e2e")
     if found is None:
         return not_run("The end-to-end benchmark")
     frame, metas = found
+    order = model_order(metas)
     stats = step_stats(frame, ["size", "context_length", "mode"])
+    stats = stats.sort_values(
+        ["size", "context_length"], key=lambda c: c.map(order.index) if c.name == "size" else c
+    )
     stats["cell"] = stats.apply(cell, axis=1)
     table = stats.pivot_table(
         index=["size", "context_length"], columns="mode", values="cell", aggfunc="first", sort=False
@@ -52,16 +52,16 @@ def render(ctx: Context) -> str:
         "",
         md(table.reset_index()),
         "",
-        findings(stats),
+        findings(stats, order),
         "",
-        ctx.figure(plot(stats), f"e2e_{ctx.run}", "end-to-end step time per model size"),
+        ctx.figure(plot(stats, order), f"e2e_{ctx.run}", "end-to-end step time per model size"),
         "",
         warmup_study(ctx),
     ]
     return "\n".join(out)
 
 
-def findings(stats: pd.DataFrame) -> str:
+def findings(stats: pd.DataFrame, order: list[str]) -> str:
     ok = stats[stats["oom"] != True]  # noqa: E712 - NaN means ran
     sentences = []
     wide = ok.pivot_table(index=["size", "context_length"], columns="mode", values="mean_ms", sort=False)
@@ -78,7 +78,7 @@ def findings(stats: pd.DataFrame) -> str:
             f"The AdamW step {'adds' if med >= 0 else 'changes'} {med:+.0f} % (median over cells) "
             "relative to forward+backward alone."
         )
-    largest = size_order(ok)[-1] if len(ok) else None
+    largest = next((size for size in reversed(order) if size in set(ok["size"])), None)
     if largest is not None:
         rows = ok[(ok["size"] == largest) & (ok["mode"] == "forward")].sort_values("context_length")
         if len(rows) >= 2:
@@ -105,12 +105,12 @@ def findings(stats: pd.DataFrame) -> str:
     return " ".join(sentences)
 
 
-def plot(stats: pd.DataFrame) -> plt.Figure:
+def plot(stats: pd.DataFrame, order: list[str]) -> plt.Figure:
     ok = stats[stats["oom"] != True]  # noqa: E712
     modes = [m for m in MODE_LABEL if m in set(ok["mode"])]
     fig, axes = plt.subplots(1, len(modes), figsize=(4.2 * len(modes), 3.4), sharey=True, squeeze=False)
     for ax, mode in zip(axes[0], modes, strict=True):
-        for size in size_order(ok):
+        for size in [s for s in order if s in set(ok["size"])]:
             rows = ok[(ok["mode"] == mode) & (ok["size"] == size)].sort_values("context_length")
             ax.errorbar(rows["context_length"], rows["mean_ms"], yerr=rows["std_ms"], marker="o", label=size)
         ax.set(title=MODE_LABEL[mode], xlabel="context length", xscale="log", yscale="log")

@@ -42,13 +42,20 @@ def benchmark(ctx: Context) -> str:
     )
     out = head
     for dtype, rows in frame.groupby("dtype", sort=False):
-        table = rows.pivot_table(index=["d_head", "seq_len"], columns=["pass", "impl"], values="cell",
-                                 aggfunc="first")
+        table = rows.pivot_table(
+            index=["d_head", "seq_len"], columns=["pass", "impl"], values="cell", aggfunc="first"
+        )
         table.columns = [f"{p} · {IMPLS.get(i, i)}" for p, i in table.columns]
         ordered = [f"{p} · {IMPLS[i]}" for p in PASSES for i in IMPLS if f"{p} · {IMPLS[i]}" in table.columns]
         out += ["", f"**{dtype}**", "", md(table[ordered].reset_index())]
-    out += ["", findings(frame), "", ctx.figure(heatmap(frame), f"flash_speedup_{ctx.run}",
-                                                 "speedup of our kernel over naive attention and SDPA")]
+    out += [
+        "",
+        findings(frame),
+        "",
+        ctx.figure(
+            heatmap(frame), f"flash_speedup_{ctx.run}", "speedup of our kernel over naive attention and SDPA"
+        ),
+    ]
     return "\n".join(out)
 
 
@@ -76,12 +83,16 @@ def findings(frame: pd.DataFrame) -> str:
     oom = frame[frame["status"] == "OOM"]
     for impl, rows in oom.groupby("impl"):
         first = rows.sort_values("seq_len").iloc[0]
-        sentences.append(f"{IMPLS.get(impl, impl)} first runs out of memory at seq {first['seq_len']} "
-                         f"(d={first['d_head']}, {first['dtype']}).")
+        sentences.append(
+            f"{IMPLS.get(impl, impl)} first runs out of memory at seq {first['seq_len']} "
+            f"(d={first['d_head']}, {first['dtype']})."
+        )
     ours_ok = frame[(frame["impl"] == "triton") & (frame["status"] == "ok")]
     if len(ours_ok):
-        sentences.append(f"Our kernel ran every length up to {ours_ok['seq_len'].max()}: its memory is linear in "
-                         "the sequence length, as it never materialises the score matrix.")
+        sentences.append(
+            f"Our kernel ran every length up to {ours_ok['seq_len'].max()}: its memory is linear in "
+            "the sequence length, as it never materialises the score matrix."
+        )
     return " ".join(sentences)
 
 
@@ -127,7 +138,12 @@ def leaderboard(ctx: Context) -> str:
     ok = frame[(frame["status"] == "ok") & (frame["pass"] == "forward_backward")].set_index("impl")["ms"]
     if "triton_compiled" in ok:
         ours = ok["triton_compiled"]
-        ratios = [f"{ours / ok[b]:.2f}× the time of SDPA {b.split('_')[1]}" for b in ("sdpa_flash", "sdpa_cudnn")
-                  if b in ok]
-        head.append(f"Our compiled kernel takes {ours:.2f} ms for forward+backward: " + ", ".join(ratios) + ".")
+        ratios = [
+            f"{ours / ok[b]:.2f}× the time of SDPA {b.split('_')[1]}"
+            for b in ("sdpa_flash", "sdpa_cudnn")
+            if b in ok
+        ]
+        head.append(
+            f"Our compiled kernel takes {ours:.2f} ms for forward+backward: " + ", ".join(ratios) + "."
+        )
     return "\n".join(head)

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from cs336_systems.report.context import Context, md, not_run, provenance_line
+from cs336_systems.report.context import Context, md, model_order, not_run, provenance_line
 from cs336_systems.report.sections.e2e import MODE_LABEL, step_stats
 
 EXACT = 10.0
@@ -170,15 +170,6 @@ def layer_norm(found: tuple[pd.DataFrame, dict[str, Any]] | None) -> str:
         "float16's) its reductions are even less precise, so LayerNorm statistics should still be computed in "
         "float32 under bf16."
     )
-
-
-def model_order(metas: list[dict[str, Any]]) -> list[str]:
-    """Sizes from small to large by their non-embedding parameter count (file order is alphabetical)."""
-    weights = {}
-    for meta in metas:
-        p = meta["params"]
-        weights[p["size"]] = p["num_layers"] * (4 * p["d_model"] ** 2 + 3 * p["d_model"] * p["d_ff"])
-    return sorted(weights, key=weights.get)
 
 
 def trend(values: pd.Series) -> str:

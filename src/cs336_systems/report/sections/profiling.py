@@ -6,9 +6,8 @@ import re
 
 import pandas as pd
 
-from cs336_systems.report.context import Context, md, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import Context, md, model_order, not_run, provenance_line, skipped_reason
 from cs336_systems.report.sections.e2e import MODE_LABEL, step_stats
-from cs336_systems.report.sections.mixed_precision import model_order
 
 CELL = ["size", "context_length", "mode"]
 

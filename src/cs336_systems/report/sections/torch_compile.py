@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report.context import Context, md, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import Context, md, model_order, not_run, provenance_line, skipped_reason
 from cs336_systems.report.sections.attention import cell_times, timing_cell
-from cs336_systems.report.sections.mixed_precision import model_order, speedup_sentences, speedup_table
+from cs336_systems.report.sections.mixed_precision import speedup_sentences, speedup_table
 
 
 def render(ctx: Context) -> str:
