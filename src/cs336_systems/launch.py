@@ -36,8 +36,20 @@ def main(argv: list[str] | None = None) -> None:
         row = {"status": "skipped", "reason": reason, "backend": args.backend, "world_size": args.nproc}
         write_rows([row], args.out, {"module": args.module, "flags": flags, "nproc": args.nproc})
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", args.module, "--backend", args.backend, "--out", args.out, *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        "-m",
+        args.module,
+        "--backend",
+        args.backend,
+        "--out",
+        args.out,
+        *flags,
+    ]
     print("[launch] " + " ".join(cmd), file=sys.stderr, flush=True)
     os.execv(sys.executable, cmd)
 
