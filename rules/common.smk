@@ -1,10 +1,11 @@
-# Shared helpers: config validation, the selected run, code dependencies, and the writeup's inputs.
+# Shared helpers: config validation, the selected run, job resources, code dependencies, the writeup's inputs.
+import csv
 import functools
 import os
 import re
+import shlex
 from pathlib import Path
-import shutil
-import subprocess
+from typing import NamedTuple
 
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
@@ -47,12 +48,17 @@ if RUN not in config["runs"]:
 R = config["runs"][RUN]
 RESULTS = f"results/{RUN}"
 
-# Every job imports the package from this checkout and tags its provenance with the run.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [f"{workflow.basedir}/src", os.environ.get("PYTHONPATH")]))
-os.environ["CS336_RUN"] = RUN
-PY = "python -m cs336_systems.experiments"
-# A single-GPU job holds one GPU (so `--resources gpu=N` runs N of them at once); on a CPU run it needs none.
-GPU_JOB = 1 if R["device"] == "cuda" else 0
+# Every job imports the package from this checkout and tags its provenance with the run (cluster jobs re-read
+# this file, so they set the same).
+os.environ.update(
+    PYTHONPATH=os.pathsep.join(filter(None, [f"{workflow.basedir}/src", os.environ.get("PYTHONPATH")])),
+    CS336_RUN=RUN,
+)
+# The software of every job, for `--sdm conda` (relative to the rules/*.smk that names it).
+ENV = "envs/pipeline.yaml"
+# Bash strict mode (Snakemake's default prefix) plus pin_gpus, which gives each GPU job GPUs of its own.
+PIN_GPUS = shlex.quote(str(Path(workflow.basedir, "rules", "pin_gpus.sh")))
+shell.prefix(f"set -euo pipefail; source {PIN_GPUS}; ")
 ALL_SIZES = config["model_sizes"]
 
 
@@ -61,15 +67,71 @@ wildcard_constraints:
     warmup=r"\d+",
 
 
+# --- Resources: what a job needs, declared by every rule: `gpu`, `threads`, `mem_mb`, `runtime` (minutes). ---
+# A single-GPU job holds one GPU on a GPU run; on a CPU run it needs none.
+GPU_JOB = 1 if R["device"] == "cuda" else 0
+
+
+class Needs(NamedTuple):
+    mem_mb: int
+    runtime: int  # minutes
+    threads: int
+
+
+# By job kind and device: a smoke run needs little; at assignment scale a job holds CUDA contexts, the largest
+# models' host-side copies and torch.compile's workers, and sweeps the sizes for an hour or more.
+_NEEDS = {
+    # no model: accounting formulas, the float accumulation toy, the writeup
+    "light": {"cpu": Needs(mem_mb=1000, runtime=10, threads=1),
+              "cuda": Needs(mem_mb=4000, runtime=15, threads=1)},
+    # one model or kernel benchmark on one device
+    "model": {"cpu": Needs(mem_mb=3000, runtime=15, threads=1),
+              "cuda": Needs(mem_mb=32000, runtime=90, threads=4)},
+    # profiler traces, memory snapshots, torch.compile: more host memory and time
+    "heavy": {"cpu": Needs(mem_mb=4000, runtime=20, threads=1),
+              "cuda": Needs(mem_mb=64000, runtime=180, threads=8)},
+    # one rank of a multi-process job (mem_mb and threads are per rank)
+    "rank": {"cpu": Needs(mem_mb=2000, runtime=15, threads=1),
+             "cuda": Needs(mem_mb=32000, runtime=60, threads=4)},
+}
+NEEDS = {kind: by_device[R["device"]] for kind, by_device in _NEEDS.items()}
+
+
+def gpus_needed(backend, nproc):
+    """GPUs a multi-process job holds: one per rank with NCCL, none with gloo (ranks on CPUs)."""
+    return nproc if backend == "nccl" else 0
+
+
 @functools.cache
 def gpu_count():
-    """GPUs visible to jobs, as the launcher counts them (CUDA_VISIBLE_DEVICES applies); torch is imported only
-    when a rule asks."""
+    """GPUs visible to jobs on this machine, as the launcher counts them (CUDA_VISIBLE_DEVICES applies); torch
+    is imported only when a rule asks."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def ran_before(csv_path):
+    """Whether `csv_path` holds a result that was not skipped for lack of GPUs ("needs ...")."""
+    path = Path(csv_path)
+    if not path.exists():
+        return False
+    with path.open(newline="") as rows:
+        return not any(
+            row.get("status") == "skipped" and row.get("reason", "").startswith("needs ")
+            for row in csv.DictReader(rows)
+        )
+
+
+def gpus_ok(needed, csv_path):
+    """The `gpus_ok` param of every GPU job: True once a job can get the `needed` GPUs, so a result skipped for
+    lack of them ("needs N GPUs, found M") reruns where they exist, without --forceall; a result that did run
+    stays True, so a smaller machine never replaces it by a skip. A cluster executor gives each job the GPUs its
+    rule requests, whatever the submitting host has."""
+    return needed == 0 or workflow.non_local_exec or gpu_count() >= needed or ran_before(csv_path)
+
+
+# --- Shell command pieces ---
 def code(*modules):
     """Source files a rule runs, as inputs, so that editing them makes the rule's results stale."""
     return [f"src/cs336_systems/{m}" for m in modules]

@@ -7,39 +7,61 @@ rule e2e_benchmark:
     input:
         code("experiments/e2e_benchmark.py") + MODEL_CODE,
     output:
-        f"{RESULTS}/e2e/{{size}}.csv",
-        f"{RESULTS}/e2e/{{size}}.json",
+        csv=report(f"{RESULTS}/e2e/{{size}}.csv", caption="report/e2e.rst", category="Results",
+                   subcategory="1.1.3 End-to-end"),
+        json=f"{RESULTS}/e2e/{{size}}.json",
     params:
         model=lambda w: model_flags(w.size),
         contexts=listed(E2E["context_lengths"]),
+        batch_size=E2E["batch_size"],
+        warmup=E2E["warmup"],
+        steps=E2E["steps"],
         device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/e2e/{w.size}.csv"),
+    threads: NEEDS["model"].threads
     resources:
         gpu=GPU_JOB,
+        mem_mb=NEEDS["model"].mem_mb,
+        runtime=NEEDS["model"].runtime,
     log:
         f"{RESULTS}/logs/e2e/{{size}}.log",
+    conda:
+        ENV
     shell:
-        "{PY}.e2e_benchmark {params.model} --batch-size {E2E[batch_size]} --context-lengths {params.contexts} "
-        "--warmup {E2E[warmup]} --steps {E2E[steps]} --device {params.device} --out {output[0]} 2> {log}"
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.e2e_benchmark {params.model} --batch-size {params.batch_size} "
+        "--context-lengths {params.contexts} --warmup {params.warmup} --steps {params.steps} "
+        "--device {params.device} --out {output.csv} 2> {log}"
 
 
 rule e2e_warmup_study:
     input:
         code("experiments/e2e_benchmark.py") + MODEL_CODE,
     output:
-        f"{RESULTS}/e2e_warmup/{{size}}_w{{warmup}}.csv",
-        f"{RESULTS}/e2e_warmup/{{size}}_w{{warmup}}.json",
+        csv=report(f"{RESULTS}/e2e_warmup/{{size}}_w{{warmup}}.csv", caption="report/e2e_warmup.rst",
+                   category="Results", subcategory="1.1.3 End-to-end"),
+        json=f"{RESULTS}/e2e_warmup/{{size}}_w{{warmup}}.json",
     params:
         model=lambda w: model_flags(w.size),
+        batch_size=E2E["batch_size"],
+        context_length=E2E["warmup_study"]["context_length"],
+        steps=E2E["warmup_study"]["steps"],
         device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/e2e_warmup/{w.size}_w{w.warmup}.csv"),
+    threads: NEEDS["model"].threads
     resources:
         gpu=GPU_JOB,
+        mem_mb=NEEDS["model"].mem_mb,
+        runtime=NEEDS["model"].runtime,
     log:
         f"{RESULTS}/logs/e2e_warmup/{{size}}_w{{warmup}}.log",
+    conda:
+        ENV
     shell:
-        "{PY}.e2e_benchmark {params.model} --batch-size {E2E[batch_size]} "
-        "--context-lengths {E2E[warmup_study][context_length]} --modes forward forward_backward "
-        "--warmup {wildcards.warmup} --steps {E2E[warmup_study][steps]} --device {params.device} "
-        "--out {output[0]} 2> {log}"
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.e2e_benchmark {params.model} --batch-size {params.batch_size} "
+        "--context-lengths {params.context_length} --modes forward forward_backward --warmup {wildcards.warmup} "
+        "--steps {params.steps} --device {params.device} --out {output.csv} 2> {log}"
 
 
 WRITEUP_INPUTS += expand(f"{RESULTS}/e2e/{{size}}.csv", size=E2E["sizes"])

@@ -7,35 +7,58 @@ rule flash_benchmark:
     input:
         code("experiments/flash_benchmark.py", "model.py") + FLASH_CODE,
     output:
-        f"{RESULTS}/flash/benchmark_{{dtype}}_d{{d_head}}.csv",
-        f"{RESULTS}/flash/benchmark_{{dtype}}_d{{d_head}}.json",
+        csv=report(f"{RESULTS}/flash/benchmark_{{dtype}}_d{{d_head}}.csv", caption="report/flash.rst",
+                   category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),
+        json=f"{RESULTS}/flash/benchmark_{{dtype}}_d{{d_head}}.json",
     params:
         seq_lens=listed(FLASH["seq_lens"]),
-        timing=[FLASH["warmup_ms"], FLASH["rep_ms"]],
+        warmup_ms=FLASH["warmup_ms"],
+        rep_ms=FLASH["rep_ms"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/flash/benchmark_{w.dtype}_d{w.d_head}.csv"),
+    threads: NEEDS["model"].threads
     resources:
         gpu=GPU_JOB,
+        mem_mb=NEEDS["model"].mem_mb,
+        runtime=NEEDS["model"].runtime,
     log:
         f"{RESULTS}/logs/flash/benchmark_{{dtype}}_d{{d_head}}.log",
+    conda:
+        ENV
     shell:
-        "{PY}.flash_benchmark --seq-lens {params.seq_lens} --d-heads {wildcards.d_head} --dtypes {wildcards.dtype} "
-        "--warmup-ms {FLASH[warmup_ms]} --rep-ms {FLASH[rep_ms]} --out {output[0]} 2> {log}"
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.flash_benchmark --seq-lens {params.seq_lens} "
+        "--d-heads {wildcards.d_head} --dtypes {wildcards.dtype} --warmup-ms {params.warmup_ms} "
+        "--rep-ms {params.rep_ms} --out {output.csv} 2> {log}"
 
 
 rule flash_leaderboard:
     input:
         code("experiments/leaderboard.py") + FLASH_CODE,
     output:
-        f"{RESULTS}/leaderboard/leaderboard.csv",
-        f"{RESULTS}/leaderboard/leaderboard.json",
+        csv=report(f"{RESULTS}/leaderboard/leaderboard.csv", caption="report/leaderboard.rst",
+                   category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),
+        json=f"{RESULTS}/leaderboard/leaderboard.json",
     params:
-        board=BOARD,
+        heads=BOARD["heads"],
+        seq_len=BOARD["seq_len"],
+        d_head=BOARD["d_head"],
+        warmup_ms=BOARD["warmup_ms"],
+        rep_ms=BOARD["rep_ms"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/leaderboard/leaderboard.csv"),
+    threads: NEEDS["model"].threads
     resources:
         gpu=GPU_JOB,
+        mem_mb=NEEDS["model"].mem_mb,
+        runtime=NEEDS["model"].runtime,
     log:
         f"{RESULTS}/logs/leaderboard.log",
+    conda:
+        ENV
     shell:
-        "{PY}.leaderboard --heads {BOARD[heads]} --seq-len {BOARD[seq_len]} --d-head {BOARD[d_head]} "
-        "--warmup-ms {BOARD[warmup_ms]} --rep-ms {BOARD[rep_ms]} --out {output[0]} 2> {log}"
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.leaderboard --heads {params.heads} --seq-len {params.seq_len} "
+        "--d-head {params.d_head} --warmup-ms {params.warmup_ms} --rep-ms {params.rep_ms} --out {output.csv} "
+        "2> {log}"
 
 
 # One job per (dtype, d_head): each is a few minutes on a GPU, so a cut-short run keeps the cells it finished.

@@ -1,16 +1,33 @@
 # The writeup: report/<run>/writeup.md (kept per run) and report/writeup.md (the selected run's, for reading).
+# `snakemake --report report/report.html` collects it, its figures and every tidy table, each with its caption
+# from rules/report/.
+# The renderer and every section module, relative like all inputs (so a moved checkout stays up to date).
+REPORT_SECTIONS = sorted(Path(workflow.basedir, "src/cs336_systems/report/sections").glob("*.py"))
+REPORT_CODE = code("report/__init__.py", "report/__main__.py", "report/context.py",
+                   *(f"report/sections/{p.name}" for p in REPORT_SECTIONS))
 
 
 rule writeup:
     input:
         WRITEUP_INPUTS,
-        code("report/__init__.py", "report/__main__.py", "report/context.py"),
-        lambda w: sorted(str(p) for p in Path(workflow.basedir, "src/cs336_systems/report/sections").glob("*.py")),
+        REPORT_CODE,
     output:
-        run=f"report/{RUN}/writeup.md",
+        run=report(f"report/{RUN}/writeup.md", caption="report/writeup.rst", category="Writeup"),
+        figures=report(directory(f"report/{RUN}/figures"), patterns=["{name}.png"], caption="report/figure.rst",
+                       category="Figures", labels={"figure": "{name}"}),
         top="report/writeup.md",
+    params:
+        run=RUN,
+    threads: NEEDS["light"].threads
+    resources:
+        gpu=0,
+        mem_mb=NEEDS["light"].mem_mb,
+        runtime=NEEDS["light"].runtime,
     log:
         f"{RESULTS}/logs/writeup.log",
+    conda:
+        ENV
     shell:
-        "python -m cs336_systems.report --run {RUN} --results {RESULTS} --out {output.run} --copy {output.top} "
-        "2> {log}"
+        "mkdir -p {output.figures}; "
+        "python -m cs336_systems.report --run {params.run} --results results/{params.run} --out {output.run} "
+        "--copy {output.top} 2> {log}"

@@ -9,15 +9,17 @@ COMPILE = R["compile"]
 NAIVE_ATTENTION_CODE = code("experiments/attention_benchmark.py", "model.py", "attention_memory.py", "benchmarking.py",
                       "provenance.py")
 # The e2e CLI as §1.1.5 (c) and §1.3.1 (b) run it: two variants of one size in the same job.
-E2E_PAIR = ("{PY}.e2e_benchmark {params.model} --batch-size {params.batch_size} --context-lengths {params.contexts} "
-           "--warmup {params.warmup} --steps {params.steps} --device {params.device}")
+E2E_PAIR = ("python -m cs336_systems.experiments.e2e_benchmark {params.model} --batch-size {params.batch_size} "
+            "--context-lengths {params.contexts} --warmup {params.warmup} --steps {params.steps} "
+            "--device {params.device}")
 
 
 rule profile_model:
     input:
         code("experiments/profile_model.py") + MODEL_CODE,
     output:
-        csv=f"{RESULTS}/profile/{{size}}.csv",
+        csv=report(f"{RESULTS}/profile/{{size}}.csv", caption="report/profile.rst", category="Results",
+                   subcategory="1.1.4 Profiling"),
         json=f"{RESULTS}/profile/{{size}}.json",
         # Chrome traces (and the nsys report where nsys exists); large, ignored by git.
         traces=directory(f"{RESULTS}/traces/{{size}}"),
@@ -28,39 +30,67 @@ rule profile_model:
         warmup=PROFILE["warmup"],
         steps=PROFILE["steps"],
         device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/profile/{w.size}.csv"),
+    threads: NEEDS["heavy"].threads
+    resources:
+        gpu=GPU_JOB,
+        mem_mb=NEEDS["heavy"].mem_mb,
+        runtime=NEEDS["heavy"].runtime,
     log:
         f"{RESULTS}/logs/profile/{{size}}.log",
+    conda:
+        ENV
     shell:
-        "{PY}.profile_model {params.model} --batch-size {params.batch_size} --context-lengths {params.contexts} "
-        "--warmup {params.warmup} --steps {params.steps} --device {params.device} --nsys "
-        "--trace-dir {output.traces} --out {output.csv} 2> {log}"
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.profile_model {params.model} --batch-size {params.batch_size} "
+        "--context-lengths {params.contexts} --warmup {params.warmup} --steps {params.steps} "
+        "--device {params.device} --nsys --trace-dir {output.traces} --out {output.csv} 2> {log}"
 
 
+# A CPU-only toy (float accumulation), whatever the run's device.
 rule mixed_precision_accumulation:
     input:
         code("experiments/mixed_precision.py", "toy_model.py", "benchmarking.py", "provenance.py"),
     output:
-        f"{RESULTS}/mixed_precision/accumulation.csv",
-        f"{RESULTS}/mixed_precision/accumulation.json",
+        csv=report(f"{RESULTS}/mixed_precision/accumulation.csv", caption="report/mixed_precision.rst",
+                   category="Results", subcategory="1.1.5 Mixed precision"),
+        json=f"{RESULTS}/mixed_precision/accumulation.json",
+    threads: NEEDS["light"].threads
+    resources:
+        gpu=0,
+        mem_mb=NEEDS["light"].mem_mb,
+        runtime=NEEDS["light"].runtime,
     log:
         f"{RESULTS}/logs/mixed_precision/accumulation.log",
+    conda:
+        ENV
     shell:
-        "{PY}.mixed_precision accumulation --out {output[0]} 2> {log}"
+        "python -m cs336_systems.experiments.mixed_precision accumulation --out {output.csv} 2> {log}"
 
 
 rule mixed_precision_autocast_dtypes:
     input:
         code("experiments/mixed_precision.py", "toy_model.py", "benchmarking.py", "provenance.py"),
     output:
-        f"{RESULTS}/mixed_precision/autocast_dtypes.csv",
-        f"{RESULTS}/mixed_precision/autocast_dtypes.json",
+        csv=report(f"{RESULTS}/mixed_precision/autocast_dtypes.csv", caption="report/mixed_precision.rst",
+                   category="Results", subcategory="1.1.5 Mixed precision"),
+        json=f"{RESULTS}/mixed_precision/autocast_dtypes.json",
     params:
         device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/mixed_precision/autocast_dtypes.csv"),
+    threads: NEEDS["model"].threads
+    resources:
+        gpu=GPU_JOB,
+        mem_mb=NEEDS["model"].mem_mb,
+        runtime=NEEDS["model"].runtime,
     log:
         f"{RESULTS}/logs/mixed_precision/autocast_dtypes.log",
+    conda:
+        ENV
     shell:
-        "{PY}.mixed_precision autocast-dtypes --dtypes float16 bfloat16 --device {params.device} "
-        "--out {output[0]} 2> {log}"
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.mixed_precision autocast-dtypes --dtypes float16 bfloat16 "
+        "--device {params.device} --out {output.csv} 2> {log}"
 
 
 # §1.1.5 (c): fp32 and bf16 autocast of one size in the same job, so both run on the same machine and state.
@@ -68,9 +98,11 @@ rule mixed_precision_e2e:
     input:
         code("experiments/e2e_benchmark.py") + MODEL_CODE,
     output:
-        fp32=f"{RESULTS}/mixed_precision_e2e/{{size}}_fp32.csv",
+        fp32=report(f"{RESULTS}/mixed_precision_e2e/{{size}}_fp32.csv", caption="report/mixed_precision.rst",
+                    category="Results", subcategory="1.1.5 Mixed precision"),
         fp32_json=f"{RESULTS}/mixed_precision_e2e/{{size}}_fp32.json",
-        bf16=f"{RESULTS}/mixed_precision_e2e/{{size}}_bf16.csv",
+        bf16=report(f"{RESULTS}/mixed_precision_e2e/{{size}}_bf16.csv", caption="report/mixed_precision.rst",
+                    category="Results", subcategory="1.1.5 Mixed precision"),
         bf16_json=f"{RESULTS}/mixed_precision_e2e/{{size}}_bf16.json",
     params:
         model=lambda w: model_flags(w.size),
@@ -79,20 +111,31 @@ rule mixed_precision_e2e:
         warmup=E2E["warmup"],
         steps=E2E["steps"],
         device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/mixed_precision_e2e/{w.size}_bf16.csv"),
+    threads: NEEDS["model"].threads
+    resources:
+        gpu=GPU_JOB,
+        mem_mb=NEEDS["model"].mem_mb,
+        runtime=NEEDS["model"].runtime,
     log:
         f"{RESULTS}/logs/mixed_precision_e2e/{{size}}.log",
+    conda:
+        ENV
     shell:
-        E2E_PAIR + " --modes forward forward_backward --autocast none --out {output.fp32} 2> {log} && "
-        + E2E_PAIR + " --modes forward forward_backward --autocast bf16 --out {output.bf16} 2>> {log}"
+        "pin_gpus {resources.gpu}; "
+        f"{E2E_PAIR} --modes forward forward_backward --autocast none --out {{output.fp32}} 2> {{log}} && "
+        f"{E2E_PAIR} --modes forward forward_backward --autocast bf16 --out {{output.bf16}} 2>> {{log}}"
 
 
 rule memory_profile:
     input:
         code("experiments/memory_profile.py") + MODEL_CODE,
     output:
-        peaks=f"{RESULTS}/memory/peaks.csv",
+        peaks=report(f"{RESULTS}/memory/peaks.csv", caption="report/memory.rst", category="Results",
+                     subcategory="1.1.6 Memory profiling"),
         peaks_json=f"{RESULTS}/memory/peaks.json",
-        allocations=f"{RESULTS}/memory_allocations/largest.csv",
+        allocations=report(f"{RESULTS}/memory_allocations/largest.csv", caption="report/memory.rst",
+                           category="Results", subcategory="1.1.6 Memory profiling"),
         allocations_json=f"{RESULTS}/memory_allocations/largest.json",
         # Snapshot pickles (large, ignored by git) and their timeline PNGs, which the writeup copies.
         snapshots=directory(f"{RESULTS}/memory_snapshots"),
@@ -101,12 +144,22 @@ rule memory_profile:
         contexts=listed(MEMORY["context_lengths"]),
         batch_size=E2E["batch_size"],
         device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/memory/peaks.csv"),
+    threads: NEEDS["heavy"].threads
+    resources:
+        gpu=GPU_JOB,
+        mem_mb=NEEDS["heavy"].mem_mb,
+        runtime=NEEDS["heavy"].runtime,
     log:
         f"{RESULTS}/logs/memory/{MEMORY['size']}.log",
+    conda:
+        ENV
     shell:
-        "{PY}.memory_profile {params.model} --batch-size {params.batch_size} --context-lengths {params.contexts} "
-        "--modes forward train_step --autocast none bf16 --device {params.device} "
-        "--snapshot-dir {output.snapshots} --allocations-out {output.allocations} --out {output.peaks} 2> {log}"
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.memory_profile {params.model} --batch-size {params.batch_size} "
+        "--context-lengths {params.contexts} --modes forward train_step --autocast none bf16 "
+        "--device {params.device} --snapshot-dir {output.snapshots} --allocations-out {output.allocations} "
+        "--out {output.peaks} 2> {log}"
 
 
 # §1.2.1 and §1.3.1 (a): the eager and the compiled attention grid in one job.
@@ -114,8 +167,9 @@ rule attention_benchmark:
     input:
         NAIVE_ATTENTION_CODE,
     output:
-        f"{RESULTS}/attention/naive.csv",
-        f"{RESULTS}/attention/naive.json",
+        csv=report(f"{RESULTS}/attention/naive.csv", caption="report/attention.rst", category="Results",
+                   subcategory="1.2.1 PyTorch attention"),
+        json=f"{RESULTS}/attention/naive.json",
     params:
         d_heads=listed(ATTENTION_GRID["d_heads"]),
         seq_lens=listed(ATTENTION_GRID["seq_lens"]),
@@ -123,12 +177,21 @@ rule attention_benchmark:
         warmup=ATTENTION_GRID["warmup"],
         passes=ATTENTION_GRID["passes"],
         device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/attention/naive.csv"),
+    threads: NEEDS["heavy"].threads
+    resources:
+        gpu=GPU_JOB,
+        mem_mb=NEEDS["heavy"].mem_mb,
+        runtime=NEEDS["heavy"].runtime,
     log:
         f"{RESULTS}/logs/attention/naive.log",
+    conda:
+        ENV
     shell:
-        "{PY}.attention_benchmark --batch-size {params.batch_size} --head-dims {params.d_heads} "
-        "--seq-lens {params.seq_lens} --warmup {params.warmup} --passes {params.passes} "
-        "--variants eager compiled --device {params.device} --out {output[0]} 2> {log}"
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.attention_benchmark --batch-size {params.batch_size} "
+        "--head-dims {params.d_heads} --seq-lens {params.seq_lens} --warmup {params.warmup} "
+        "--passes {params.passes} --variants eager compiled --device {params.device} --out {output.csv} 2> {log}"
 
 
 # §1.3.1 (b): the Transformer eager and torch.compile'd, in the same job, with e2e's warm-up and steps.
@@ -136,9 +199,11 @@ rule compile_e2e:
     input:
         code("experiments/e2e_benchmark.py") + MODEL_CODE,
     output:
-        eager=f"{RESULTS}/compile/{{size}}_eager.csv",
+        eager=report(f"{RESULTS}/compile/{{size}}_eager.csv", caption="report/compile.rst", category="Results",
+                     subcategory="1.3.1 torch.compile"),
         eager_json=f"{RESULTS}/compile/{{size}}_eager.json",
-        compiled=f"{RESULTS}/compile/{{size}}_compiled.csv",
+        compiled=report(f"{RESULTS}/compile/{{size}}_compiled.csv", caption="report/compile.rst",
+                        category="Results", subcategory="1.3.1 torch.compile"),
         compiled_json=f"{RESULTS}/compile/{{size}}_compiled.json",
     params:
         model=lambda w: model_flags(w.size),
@@ -147,11 +212,20 @@ rule compile_e2e:
         warmup=E2E["warmup"],
         steps=E2E["steps"],
         device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/compile/{w.size}_compiled.csv"),
+    threads: NEEDS["heavy"].threads
+    resources:
+        gpu=GPU_JOB,
+        mem_mb=NEEDS["heavy"].mem_mb,
+        runtime=NEEDS["heavy"].runtime,
     log:
         f"{RESULTS}/logs/compile/{{size}}.log",
+    conda:
+        ENV
     shell:
-        E2E_PAIR + " --modes forward train_step --out {output.eager} 2> {log} && "
-        + E2E_PAIR + " --modes forward train_step --compile --out {output.compiled} 2>> {log}"
+        "pin_gpus {resources.gpu}; "
+        f"{E2E_PAIR} --modes forward train_step --out {{output.eager}} 2> {{log}} && "
+        f"{E2E_PAIR} --modes forward train_step --compile --out {{output.compiled}} 2>> {{log}}"
 
 
 WRITEUP_INPUTS += expand(f"{RESULTS}/profile/{{size}}.csv", size=PROFILE["sizes"])

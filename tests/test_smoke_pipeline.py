@@ -1,18 +1,54 @@
-"""The CPU smoke run of the whole pipeline, end to end, in a throw-away copy of the repository."""
+"""The CPU smoke run of the whole pipeline, end to end, in a throw-away copy of the repository.
+
+The smoke run happens once per test session (`completed_smoke_run`); test modules that change files work on
+their own copy of it (`copy_of_smoke_run`)."""
+
+from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 
 from .pipeline import copy_pipeline, snakemake
 
+_SMOKE: dict[str, Path | subprocess.CompletedProcess] = {}
+
+
+def completed_smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The repository copy in which `snakemake report/writeup.md --config run=cpu` has completed (run once)."""
+    if "result" not in _SMOKE:
+        workdir = copy_pipeline(tmp_path_factory.mktemp("smoke"))
+        _SMOKE["result"] = snakemake(workdir, "report/writeup.md", "--config", "run=cpu", timeout=1500)
+        _SMOKE["workdir"] = workdir
+    result = _SMOKE["result"]
+    assert result.returncode == 0, result.stderr[-5000:]
+    return _SMOKE["workdir"]
+
+
+def copy_of_smoke_run(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A private copy of the completed smoke run, with Snakemake's metadata and every file's mtime, so that
+    Snakemake sees the same up-to-date state there."""
+    dest = tmp_path_factory.mktemp(name) / "repo"
+    shutil.copytree(
+        completed_smoke_run(tmp_path_factory), dest, symlinks=True, ignore=shutil.ignore_patterns("locks")
+    )
+    return dest
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """Rule name -> job count from the "Job stats" table that `snakemake` (also -n) prints; {} when none."""
+    match = re.search(r"Job stats:\njob\s+count\n[-\s]+\n(.*?)\ntotal\s+\d+", output, re.S)
+    if not match:
+        return {}
+    return {name: int(count) for name, count in (line.split() for line in match.group(1).splitlines())}
+
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    workdir = copy_pipeline(tmp_path_factory.mktemp("smoke"))
-    result = snakemake(workdir, "report/writeup.md", "--config", "run=cpu", timeout=1500)
-    assert result.returncode == 0, result.stderr[-5000:]
-    return workdir
+    return completed_smoke_run(tmp_path_factory)
 
 
 def test_writeup_has_every_section_and_its_figures(smoke):
@@ -49,4 +85,34 @@ def test_changing_one_size_reruns_only_its_jobs(smoke):
     finally:
         config.write_text(original)
     assert dry.returncode == 0, dry.stderr
-    assert "e2e_benchmark" in dry.stdout and "writeup" in dry.stdout
+    # Every job that builds the tiny model, and nothing that does not (attention, flash, all-reduce, ...).
+    assert set(job_counts(dry.stdout + dry.stderr)) == {
+        "e2e_benchmark",
+        "e2e_warmup_study",
+        "profile_model",
+        "mixed_precision_e2e",
+        "memory_profile",
+        "compile_e2e",
+        "ddp_benchmark",
+        "sharding_benchmark",
+        "writeup",
+    }
+
+
+def test_html_report_has_every_figure_and_table_captioned(smoke):
+    result = snakemake(smoke, "--report", "report/report.html", "--config", "run=cpu")
+    assert result.returncode == 0, result.stderr[-5000:]
+    html = (smoke / "report/report.html").read_text()
+    figures = sorted(p.name for p in (smoke / "report/cpu/figures").glob("*.png"))
+    tables = sorted(str(p.relative_to(smoke)) for p in (smoke / "results/cpu").rglob("*.csv"))
+    assert figures and tables
+    # Self-contained: each file is embedded as a data URI next to its path and caption.
+    for path in [f"report/cpu/figures/{name}" for name in figures] + tables + ["report/cpu/writeup.md"]:
+        assert f'"{path}": {{"name"' in html, path
+    for name in figures:
+        assert f"data:image/png;charset=utf8;filename={name};base64," in html, name
+    # Captions come from rules/report/*.rst, rendered to HTML per file.
+    assert "all-reduce time and bandwidth per tensor size" in html  # figure.rst, for allreduce_cpu.png
+    # e2e.rst, with the job's wildcards filled in and rendered from rst
+    assert 'end-to-end benchmark of the <tt class=\\"docutils literal\\">tiny</tt> model' in html
+    assert html.count('"caption": ""') == 0, "a file of the report has no caption"
