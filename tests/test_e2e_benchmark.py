@@ -97,3 +97,15 @@ def test_cuda_without_a_gpu_is_an_error(tmp_path):
         e2e_benchmark.main(
             [*TINY, "--context-lengths", "16", "--device", "cuda", "--out", str(tmp_path / "x.csv")]
         )
+
+
+def test_or_oom_turns_only_out_of_memory_into_a_marker():
+    from cs336_systems.benchmarking import or_oom
+
+    def no_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert or_oom(lambda: (1, [2])) == (1, [2])
+    assert or_oom(no_memory) == "OOM"
+    with pytest.raises(ZeroDivisionError):
+        or_oom(lambda: 1 / 0)

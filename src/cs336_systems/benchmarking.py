@@ -5,8 +5,11 @@ from __future__ import annotations
 import statistics
 import timeit
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def sync(device: torch.device | str) -> None:
@@ -44,6 +47,19 @@ def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def or_oom(measure: Callable[[], T]) -> T | str:
+    """`measure()`, or the string "OOM" when it runs out of memory (any other error propagates); frees memory
+    afterwards either way, so the next cell of a sweep starts clean."""
+    try:
+        return measure()
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        return "OOM"
+    finally:
+        free_memory()
 
 
 def free_memory() -> None:

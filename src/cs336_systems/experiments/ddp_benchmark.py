@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from cs336_systems import workload
-from cs336_systems.benchmarking import free_memory, is_oom, sync, time_steps
+from cs336_systems.benchmarking import or_oom, sync, time_steps
 from cs336_systems.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP
 from cs336_systems.distributed import BACKENDS, DistContext, distributed, gather_to_rank0
 from cs336_systems.model import TransformerLM
@@ -239,14 +239,8 @@ def run_cell(
     if variant == "single" and not ctx.is_main:
         result = "idle"
     else:
-        try:
-            result, intervals = measure(variant, bucket_size_mb, args, ctx)
-        except Exception as exc:  # noqa: BLE001 - only OOM is recorded, everything else re-raised
-            if not is_oom(exc):
-                raise
-            result = "OOM"
-        finally:
-            free_memory()
+        outcome = or_oom(lambda: measure(variant, bucket_size_mb, args, ctx))
+        result, intervals = ("OOM", []) if outcome == "OOM" else outcome
     per_rank = gather_to_rank0(result)
     if per_rank is None:
         return [], []

@@ -38,7 +38,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from cs336_systems import workload
 from cs336_systems.accounting import data_parallel_communication, training_state_memory, values
-from cs336_systems.benchmarking import free_memory, is_oom, sync
+from cs336_systems.benchmarking import free_memory, or_oom, sync
 from cs336_systems.ddp import FlatDDP
 from cs336_systems.distributed import BACKENDS, DistContext, distributed, gather_to_rank0
 from cs336_systems.model import TransformerLM
@@ -230,14 +230,7 @@ def rows_for_rank(variant: str, rank: int, result: dict, base: dict, param_numel
 def run_variant(variant: str, args: argparse.Namespace, ctx: DistContext) -> list[dict]:
     """Rows for one variant on rank 0 (empty on the others); out of memory on any rank gives one OOM row."""
     result: dict | str
-    try:
-        result = measure(variant, args, ctx)
-    except Exception as exc:  # noqa: BLE001 - only OOM is recorded, everything else re-raised
-        if not is_oom(exc):
-            raise
-        result = "OOM"
-    finally:
-        free_memory()
+    result = or_oom(lambda: measure(variant, args, ctx))
     per_rank = gather_to_rank0(result)
     if per_rank is None:
         return []
