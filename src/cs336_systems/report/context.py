@@ -60,7 +60,11 @@ def provenance_line(metas: list[dict[str, Any]]) -> str:
     for meta in metas:
         p = meta["provenance"]
         count = p.get("device_count") or 0
-        device = f"{p['device_name']} ×{count}" if count else f"CPU ({p.get('cpu_threads')} threads)"
+        device = (
+            f"{p['device_name']} ×{count}"
+            if count
+            else f"CPU ({p.get('cpu_threads')} thread{'' if p.get('cpu_threads') == 1 else 's'})"
+        )
         commit = (p.get("git_commit") or "unknown")[:10] + (" (dirty)" if p.get("git_dirty") else "")
         text = (
             f"{device}; torch {p['torch']}, CUDA {p.get('cuda') or '—'}, triton {p.get('triton') or '—'}; "

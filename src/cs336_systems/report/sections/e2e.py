@@ -154,7 +154,7 @@ def warmup_study(ctx: Context) -> str:
         c, w = cold.iloc[0], warm.iloc[0]
         sentences.append(
             f"{size} {MODE_LABEL[mode]}: with {c['warmup']} warm-up steps the mean is {c['mean_ms'] / w['mean_ms']:.1f}× "
-            f"and the standard deviation {c['std_ms'] / max(w['std_ms'], 1e-9):.0f}× those with {w['warmup']}; "
+            f"and the standard deviation {c['std_ms'] / max(w['std_ms'], 1e-9):.1f}× those with {w['warmup']}; "
             f"the first timed step took {c['first_step_ms']:.0f} ms against a median of {w['median_ms']:.1f} ms."
         )
     out.append(" ".join(sentences))
