@@ -36,7 +36,9 @@ def timing_cell(row: pd.Series, phase: str) -> str:
     return "—"
 
 
-def render(ctx: Context) -> str:
+def load(ctx: Context) -> tuple[pd.DataFrame, list[dict]] | str:
+    """The attention grid (eager and compiled) and its provenance, or the line that says why there is none.
+    Shared by this section and torch_compile (a)."""
     found = ctx.table("attention")
     if found is None:
         return not_run("The attention benchmark")
@@ -44,6 +46,14 @@ def render(ctx: Context) -> str:
     reason = skipped_reason(frame)
     if reason:
         return f"{provenance_line(metas)}\n\nNot measured in this run: {reason}."
+    return frame, metas
+
+
+def render(ctx: Context) -> str:
+    found = load(ctx)
+    if isinstance(found, str):
+        return found
+    frame, metas = found
     eager = frame[frame["variant"] == "eager"]
     on_cuda = eager["mem_before_backward_mib"].notna().any()
     batch, dtype = int(eager["batch_size"].iloc[0]), eager["dtype"].iloc[0]

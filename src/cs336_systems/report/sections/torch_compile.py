@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from cs336_systems.report.context import Context, md, model_order, not_run, provenance_line, skipped_reason
+from cs336_systems.report.sections import attention as attention_section
 from cs336_systems.report.sections.attention import cell_times, timing_cell
 from cs336_systems.report.sections.mixed_precision import speedup_sentences, speedup_table
 
@@ -24,13 +25,10 @@ def render(ctx: Context) -> str:
 
 
 def attention(ctx: Context) -> str:
-    found = ctx.table("attention")
-    if found is None:
-        return not_run("The attention benchmark")
+    found = attention_section.load(ctx)
+    if isinstance(found, str):
+        return found
     frame, metas = found
-    reason = skipped_reason(frame)
-    if reason:
-        return f"{provenance_line(metas)}\n\nNot measured in this run: {reason}."
     if not {"eager", "compiled"} <= set(frame["variant"]):
         return "_This run did not benchmark both variants._"
     cells = cell_times(frame)
