@@ -12,9 +12,9 @@ on all n. One interface for all four:
 Move the model to its device before wrapping; the set of trainable parameters is fixed at construction. Each
 trainable parameter must receive a gradient in every step (one backward per finish_gradient_synchronization);
 otherwise finish_gradient_synchronization raises a RuntimeError naming the parameters that got none.
-Benchmarks set `measure_communication = True` to make finish_gradient_synchronization synchronise the device and
-record `last_communication_s`: the wall time it blocked on communication, i.e. all of it for naive/flat, only
-the part not hidden behind backward for overlap/bucketed.
+Benchmarks set `measure_communication = True` to make finish_gradient_synchronization record, in
+`last_communication`, a CommunicationTimer of the communication it waited for: all of it for naive/flat, only the
+part not hidden behind backward for overlap/bucketed.
 """
 
 from __future__ import annotations
@@ -28,6 +28,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+class CommunicationTimer:
+    """How long finish_gradient_synchronization kept the step waiting, measured without synchronising the device
+    (a sync would stall the step it times): on CUDA two events on the compute stream, so the gap is the time that
+    stream spent after backward's last kernel until the averaged gradients were final; elsewhere wall time (gloo's
+    collectives block). Read `seconds` once the step is over."""
+
+    def __init__(self, device: torch.device):
+        self._events = device.type == "cuda"
+        if self._events:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> CommunicationTimer:
+        if self._events:
+            self._end.record()
+        else:
+            self._end = time.perf_counter()
+        return self
+
+    @property
+    def seconds(self) -> float:
+        if self._events:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._end - self._start
 
 
 def _grad_accumulated(wrapper: weakref.ref, index: int, param: nn.Parameter) -> None:
@@ -62,7 +92,7 @@ class _DataParallel(nn.Module):
         self.param_names = [name for name, _ in named]
         self.params = [p for _, p in named]
         self.measure_communication = False
-        self.last_communication_s = 0.0
+        self.last_communication: CommunicationTimer | None = None
         self._ready = [False] * len(self.params)
         # The hook holds the wrapper weakly: a strong reference would make parameter -> hook -> wrapper -> module ->
         # parameter a cycle through autograd's C++ side, which the garbage collector cannot free, so every model
@@ -93,11 +123,7 @@ class _DataParallel(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Complete this step's gradient averaging; call after backward and before optimizer.step()."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        if self.measure_communication and device.type == "cuda":
-            # Wait for backward's kernels only: communication streams keep running, so the timer below sees
-            # just the communication that backward did not hide.
-            torch.cuda.current_stream(device).synchronize()
-        start = time.perf_counter()
+        timer = CommunicationTimer(device) if self.measure_communication else None
         try:
             self._synchronize()
             missing = [name for name, ready in zip(self.param_names, self._ready, strict=True) if not ready]
@@ -108,9 +134,8 @@ class _DataParallel(nn.Module):
                 )
         finally:
             self._ready = [False] * len(self.params)
-        if self.measure_communication and device.type == "cuda":
-            torch.cuda.synchronize(device)
-        self.last_communication_s = time.perf_counter() - start
+        if timer is not None:
+            self.last_communication = timer.stop()
 
     def _ready_params(self) -> list[nn.Parameter]:
         return [p for p, ready in zip(self.params, self._ready, strict=True) if ready]
@@ -156,13 +181,14 @@ class OverlapIndividualDDP(_DataParallel):
 
     def _on_grad_ready(self, index: int) -> None:
         grad = self.params[index].grad
-        self._pending.append((dist.all_reduce(grad, async_op=True), grad))
+        # Averaged as sum(g / world): the division runs during backward instead of after the last all-reduce.
+        grad.div_(self.world_size)
+        self._pending.append(dist.all_reduce(grad, async_op=True))
 
     def _synchronize(self) -> None:
         pending, self._pending = self._pending, []
-        for work, grad in pending:
+        for work in pending:
             work.wait()
-            grad.div_(self.world_size)
 
 
 class _Bucket:
@@ -215,7 +241,9 @@ class BucketedDDP(_DataParallel):
 
     def _on_grad_ready(self, index: int) -> None:
         bucket = self._bucket_of[index]
-        bucket.slots[index].copy_(self.params[index].grad.reshape(-1))
+        # Packed already divided by the world size, so the all-reduced bucket holds the average. (With
+        # set_to_none=False the gradient is the slot itself, and this divides it in place.)
+        torch.div(self.params[index].grad.reshape(-1), self.world_size, out=bucket.slots[index])
         bucket.num_ready += 1
         while self._next_launch < len(self.buckets):
             candidate = self.buckets[self._next_launch]
@@ -228,10 +256,9 @@ class BucketedDDP(_DataParallel):
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-                bucket.buffer.div_(self.world_size)
+                # Each gradient becomes a view of its slot: nothing is copied back after the last all-reduce.
                 for i in bucket.indices:
-                    grad = self.params[i].grad
-                    grad.copy_(bucket.slots[i].view_as(grad))
+                    self.params[i].grad = bucket.slots[i].view_as(self.params[i])
             bucket.work = None
             bucket.num_ready = 0
         self._next_launch = 0

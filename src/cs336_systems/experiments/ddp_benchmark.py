@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from cs336_systems import workload
 from cs336_systems.benchmarking import or_oom, sync, time_steps
-from cs336_systems.ddp import BucketedDDP, FlatDDP, NaiveDDP, OverlapIndividualDDP
+from cs336_systems.ddp import BucketedDDP, CommunicationTimer, FlatDDP, NaiveDDP, OverlapIndividualDDP
 from cs336_systems.distributed import BACKENDS, DistContext, distributed, gather_to_rank0
 from cs336_systems.model import TransformerLM
 from cs336_systems.provenance import write_rows
@@ -135,19 +135,19 @@ def measure(
     torch.manual_seed(args.seed + 1 + ctx.rank)  # each rank its own shard of the data
     inputs, targets = workload.random_batch(cfg, args.batch_size, ctx.device)
     finish = getattr(model, "finish_gradient_synchronization", None)
-    comm_s: list[float] = []
+    comm_timers: list[CommunicationTimer] = []
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
         if finish is not None:
             finish()
-            comm_s.append(model.last_communication_s)
+            comm_timers.append(model.last_communication)  # read after timing: reading it waits for the GPU
         optimizer.step()
 
     step_s = time_steps(step, args.warmup, args.steps, ctx.device)
     if finish is not None:
-        measured_comm_s = comm_s[-args.steps :]
+        measured_comm_s = [timer.seconds for timer in comm_timers[-args.steps :]]
     else:  # single has no communication; torch_ddp's cannot be told apart from its backward
         measured_comm_s = [0.0 if variant == "single" else None] * args.steps
     buckets = len(model.buckets) if isinstance(model, BucketedDDP) else None
