@@ -131,10 +131,19 @@ def gpus_ok(needed, csv_path):
     return needed == 0 or workflow.non_local_exec or gpu_count() >= needed or ran_before(csv_path)
 
 
+# A CUDA run seen from a machine without GPUs (a laptop re-rendering the published GPU writeup, say): its results
+# exist that this machine cannot remake, and a checkout gives the code newer file times than the results it made.
+# There the code is `ancient` (its times never make a result stale); a missing result still runs and records that
+# it needs CUDA. Cluster jobs get GPUs on their nodes, so a cluster run is never view-only.
+VIEW_ONLY = R["device"] == "cuda" and not workflow.non_local_exec and gpu_count() == 0
+
+
 # --- Shell command pieces ---
-def code(*modules):
-    """Source files a rule runs, as inputs, so that editing them makes the rule's results stale."""
-    return [f"src/cs336_systems/{m}" for m in modules]
+def code(*modules, view_only=VIEW_ONLY):
+    """Source files a rule runs, as inputs, so that editing them makes the rule's results stale (except
+    view-only, above)."""
+    paths = [f"src/cs336_systems/{m}" for m in modules]
+    return [ancient(path) for path in paths] if view_only else paths
 
 
 def model_flags(size):
