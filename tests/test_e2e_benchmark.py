@@ -109,3 +109,13 @@ def test_or_oom_turns_only_out_of_memory_into_a_marker():
     assert or_oom(no_memory) == "OOM"
     with pytest.raises(ZeroDivisionError):
         or_oom(lambda: 1 / 0)
+
+
+def test_provenance_names_the_commit_given_by_the_environment(monkeypatch):
+    """A tree copied to a GPU machine may carry a stale .git; the commit it was sent at wins."""
+    from cs336_systems import provenance
+
+    monkeypatch.setenv("CS336_GIT_COMMIT", "0123abc")
+    assert provenance.collect()["git_commit"] == "0123abc"
+    monkeypatch.delenv("CS336_GIT_COMMIT")
+    assert provenance.collect()["git_commit"] != "0123abc"

@@ -39,7 +39,9 @@ def collect() -> dict[str, Any]:
     nccl = None
     if cuda and torch.distributed.is_nccl_available():
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # A copy of the tree sent to another machine names its commit in CS336_GIT_COMMIT: a .git there may be stale.
+    commit = os.environ.get("CS336_GIT_COMMIT")
+    status = None if commit else _git("status", "--porcelain", "--untracked-files=no")
     return {
         "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
@@ -52,8 +54,7 @@ def collect() -> dict[str, Any]:
         "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
         "device_count": torch.cuda.device_count() if cuda else 0,
         "cpu_threads": torch.get_num_threads(),
-        # A copy of the tree without .git (as sent to a GPU machine) names its commit in CS336_GIT_COMMIT.
-        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("CS336_GIT_COMMIT"),
+        "git_commit": commit or _git("rev-parse", "HEAD"),
         "git_dirty": bool(status) if status is not None else None,
         "run": os.environ.get("CS336_RUN"),
     }

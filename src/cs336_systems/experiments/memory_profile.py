@@ -169,10 +169,33 @@ def profile_cell(
     batch = workload.random_batch(cfg, args.batch_size, device)
     step = workload.make_step(model, optimizer, batch, mode, workload.AUTOCAST[autocast])
     time_steps(step, args.warmup, 0, device)
+    # A train step's peak, split at the optimizer step: forward + backward before it, AdamW's update during it.
+    # Each hook reads the peaks since the last reset and resets them, so the whole step's peak is their maximum.
+    phase_peaks = {"forward_backward": 0, "optimizer_step": 0}
+    reserved_peak = 0
+
+    def mark(phase: str) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            nonlocal reserved_peak
+            phase_peaks[phase] = max(phase_peaks[phase], torch.cuda.max_memory_allocated(device))
+            reserved_peak = max(reserved_peak, torch.cuda.max_memory_reserved(device))
+            torch.cuda.reset_peak_memory_stats(device)
+
+        return hook
+
+    if mode == "train_step":
+        optimizer.register_step_pre_hook(mark("forward_backward"))
+        optimizer.register_step_post_hook(mark("optimizer_step"))
     torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device)
     record_steps(step, args.steps, device, snapshot)
-    return {"start_allocated_mib": start / MIB, **_peaks(device)}
+    peaks = {
+        "peak_allocated_mib": max(torch.cuda.max_memory_allocated(device), *phase_peaks.values()) / MIB,
+        "peak_reserved_mib": max(torch.cuda.max_memory_reserved(device), reserved_peak) / MIB,
+    }
+    if mode == "train_step":
+        peaks.update({f"{phase}_peak_mib": peak / MIB for phase, peak in phase_peaks.items()})
+    return {"start_allocated_mib": start / MIB, **peaks}
 
 
 def _peaks(device: torch.device) -> dict:

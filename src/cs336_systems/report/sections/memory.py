@@ -103,15 +103,34 @@ def timelines(ctx: Context, ok: pd.DataFrame, parameter_mib: float) -> str:
             f"{start / parameter_mib:.2f}× the {parameter_mib:,.0f} MiB of fp32 parameters, and peaks at "
             f"{peak:,.0f} MiB, {peak - start:,.0f} MiB above its start."
         )
+        if mode == "train_step" and pd.notna(row.get("optimizer_step_peak_mib")):
+            sentences.append(phase_sentence(row, parameter_mib))
     sentences.append(
         "Why: in the forward-only step (no autograd graph) each block's temporaries are freed as the next block "
         "runs, so the timeline is a saw-tooth on top of the parameters that peaks where the largest temporaries "
         "(attention scores, the logits and the loss) are alive. The train step starts from parameters, the last "
-        "step's gradients and AdamW's two moments (about 4× the parameters): memory climbs through the forward "
-        "pass as activations are saved for backward, falls through the backward pass as they are released while "
-        "gradients appear, and the optimizer step adds only small temporaries."
+        "step's gradients and AdamW's two moments (about 4× the parameters); `zero_grad(set_to_none=True)` frees "
+        "the gradients, memory climbs through the forward pass as activations are saved for backward and falls "
+        "through the backward pass as they are released while gradients appear. PyTorch's default (foreach) "
+        "AdamW then updates all parameters as one list, so its intermediates, such as the square root of the "
+        "second moment, exist for every parameter at once."
     )
     return "\n\n".join(out + [" ".join(sentences)])
+
+
+def phase_sentence(row: pd.Series, parameter_mib: float) -> str:
+    """Where a train step peaks: during forward + backward or during the optimizer step (measured by hooks)."""
+    before, during = row["forward_backward_peak_mib"], row["optimizer_step_peak_mib"]
+    if during > before:
+        return (
+            f"Its peak comes during the optimizer step: forward and backward reach {before:,.0f} MiB, the AdamW "
+            f"update {during:,.0f} MiB, {during - row['start_allocated_mib']:,.0f} MiB above the step's start, "
+            f"{(during - row['start_allocated_mib']) / parameter_mib:.2f}× the parameters' size."
+        )
+    return (
+        f"Its peak comes during forward and backward ({before:,.0f} MiB); the AdamW update reaches "
+        f"{during:,.0f} MiB."
+    )
 
 
 def peak_cell(row: pd.Series) -> str:
@@ -139,8 +158,22 @@ def peak_table(peaks: pd.DataFrame) -> str:
         if len(series) >= 2:
             first, last = series.index[0], series.index[-1]
             sentences.append(
-                f"{MODE_LABEL[mode].capitalize()}: from context {first} to {last} the peak grows by "
-                f"{series[last] - series[first]:,.0f} MiB ({series[last] / series[first]:.2f}×)."
+                f"{MODE_LABEL[mode].capitalize()}: from context {first} to {last} the peak changes by "
+                f"{series[last] - series[first]:+,.0f} MiB ({series[last] / series[first]:.2f}×)."
+            )
+    if "forward_backward_peak_mib" in fp32:
+        train = fp32[(fp32["mode"] == "train_step") & (fp32["status"] == "ok")].set_index("context_length")
+        before = train["forward_backward_peak_mib"].dropna()
+        if len(before) >= 2:
+            first, last = before.index[0], before.index[-1]
+            sentences.append(
+                f"Forward and backward alone grow from {before[first]:,.0f} to {before[last]:,.0f} MiB over the same "
+                "contexts (the saved activations)"
+                + (
+                    "; the train step's peak stays where it is because the optimizer step sets it."
+                    if (train["optimizer_step_peak_mib"] > train["forward_backward_peak_mib"]).all()
+                    else "."
+                )
             )
     oom = fp32[fp32["status"] == "OOM"]
     if len(oom):
@@ -179,7 +212,7 @@ def precision_deltas(peaks: pd.DataFrame) -> str:
     sentences = []
     for mode, rows in delta.dropna(subset=["Δ %"]).groupby("mode", sort=False):
         sentences.append(
-            f"{mode.capitalize()}: bf16 changes the peak by {rows['Δ %'].min():+.0f} % to {rows['Δ %'].max():+.0f} % "
+            f"{mode.capitalize()}: bf16 changes the peak by {rows['Δ %'].min():+.1f} % to {rows['Δ %'].max():+.1f} % "
             f"({rows['Δ MiB'].min():+,.0f} to {rows['Δ MiB'].max():+,.0f} MiB) over the context lengths."
         )
     sentences.append(

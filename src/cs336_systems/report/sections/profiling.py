@@ -93,6 +93,8 @@ def timer_comparison(ctx: Context, ok: pd.DataFrame, on_cuda: bool) -> str:
         },
         index=timer.index,
     ).dropna(subset=["profiler forward ms"])
+    if on_cuda:  # how much of the forward pass the GPU spent running kernels rather than waiting for launches
+        table["GPU busy"] = forward["device_busy_ms_per_step"] / forward["device_span_ms_per_step"]
     table["profiler / timer"] = table["profiler forward ms"] / table["python timer ms"]
     e2e = ctx.table("e2e")
     if e2e is not None:  # the same cell benchmarked without a profiler attached (§1.1.3)
@@ -112,16 +114,30 @@ def timer_comparison(ctx: Context, ok: pd.DataFrame, on_cuda: bool) -> str:
     ]
     if "§1.1.3 benchmark ms" in table and table["§1.1.3 benchmark ms"].notna().any():
         overhead = (table["python timer ms"] / table["§1.1.3 benchmark ms"]).dropna()
-        verdict = (
-            "the profiler's own overhead"
-            if overhead.min() > 1.05
-            else "the profiler adds no overhead that stands out from the difference between two processes"
-        )
         sentences.append(
-            f"With the profiler attached the Python-timed step is {overhead.median():.2f}× (median; "
-            f"{overhead.min():.2f}–{overhead.max():.2f}×) the §1.1.3 benchmark of the same cell, run in another "
-            f"process without a profiler: {verdict}."
+            f"With the profiler attached the Python-timed step is {overhead.min():.2f}–{overhead.max():.2f}× "
+            f"(median {overhead.median():.2f}×) the §1.1.3 benchmark of the same cell, run in another process "
+            "without a profiler."
         )
+        if overhead.max() > 1.05:
+            most, least = table.loc[overhead.idxmax()], table.loc[overhead.idxmin()]
+            sentence = (
+                f"It costs most for {most['size']} at context {most['context_length']} "
+                f"({overhead.max():.2f}× a {most['§1.1.3 benchmark ms']:.1f} ms step) and least for "
+                f"{least['size']} at context {least['context_length']} ({overhead.min():.2f}× "
+                f"{least['§1.1.3 benchmark ms']:.1f} ms): the profiler records every operator on the CPU, which "
+                "slows the step where the CPU's kernel launches, not the GPU, set its pace"
+            )
+            if "GPU busy" in table:
+                sentence += (
+                    f" — there the GPU is busy for {most['GPU busy']:.0%} of the profiled forward pass, against "
+                    f"{least['GPU busy']:.0%} in the least affected cell"
+                )
+            sentences.append(sentence + ".")
+        else:
+            sentences.append(
+                "The profiler adds no overhead that stands out from the difference between processes."
+            )
     return md(table) + "\n\n" + " ".join(sentences)
 
 
@@ -275,9 +291,9 @@ def matmul_share(ok: pd.DataFrame, unit: str, on_cuda: bool) -> str:
 def softmax_vs_matmul(ok: pd.DataFrame, on_cuda: bool) -> str:
     ranges = records(ok, "range")
     ranges = ranges[ranges["mode"] == "forward"]
-    wide = ranges.pivot_table(
-        index=["size", "context_length"], columns="name", values="time_ms_per_step", sort=False
-    )
+    # On a GPU the kernels' own time: a range's device span also holds the gaps where kernels wait for launches.
+    time = "device_busy_ms_per_step" if on_cuda else "time_ms_per_step"
+    wide = ranges.pivot_table(index=["size", "context_length"], columns="name", values=time, sort=False)
     flops = ranges.pivot_table(
         index=["size", "context_length"], columns="name", values="flops_per_step", sort=False
     )
@@ -288,7 +304,7 @@ def softmax_vs_matmul(ok: pd.DataFrame, on_cuda: bool) -> str:
     table["softmax / P·V time"] = wide["attention/softmax"] / wide["attention/output"]
     table["softmax / P·V FLOPs"] = flops["attention/softmax"] / flops["attention/output"]
     per_flop = table["softmax / P·V time"] / table["softmax / P·V FLOPs"]
-    basis = "device span" if on_cuda else "CPU time"
+    basis = "kernel time (the sum of the CUDA kernels each range launched)" if on_cuda else "CPU time"
     sentence = (
         f"Softmax takes {table['softmax / P·V time'].median():.2f}× the time of the P·V matrix multiply (median "
         f"over cells; {table['softmax / P·V time'].min():.2f}–{table['softmax / P·V time'].max():.2f}×) while doing "
@@ -320,13 +336,15 @@ def out_of_memory(frame: pd.DataFrame) -> str:
 def traces(ctx: Context, metas: list[dict]) -> str:
     folder = ctx.results / "traces"
     found = sorted(folder.glob("*/trace_*.json")) if folder.is_dir() else []
-    nsys = sorted(folder.glob("*/nsys_*.nsys-rep")) if folder.is_dir() else []
+    where = f"{len(found)} of them in this checkout" if found else "none in this checkout"
     text = (
-        f"Traces: {len(found)} Chrome/Perfetto traces (`trace_<size>_<context>_<mode>.json`) in "
-        f"`results/{ctx.run}/traces/<size>/`; open them in https://ui.perfetto.dev (large, so not committed). "
+        "Traces: the run writes one Chrome/Perfetto trace per size and mode at the first context length "
+        f"(`results/{ctx.run}/traces/<size>/trace_<size>_<context>_<mode>.json`; open in https://ui.perfetto.dev). "
+        f"They are large, so not committed ({where}). "
     )
-    if nsys:
-        text += f"Nsight Systems reports with NVTX ranges: {', '.join(f'`{p.name}`' for p in nsys)}."
+    under_nsys = sorted(meta["params"]["size"] for meta in metas if meta["params"].get("under_nsys"))
+    if under_nsys:
+        text += f"Sizes also profiled under Nsight Systems (`nsys_<size>.nsys-rep`, NVTX ranges): {', '.join(under_nsys)}."
     else:
         text += "`nsys` was not on the PATH of this run, so only torch.profiler ran."
     return text
