@@ -55,8 +55,8 @@ def md(frame: pd.DataFrame, floatfmt: str = ".2f") -> str:
 
 
 def provenance_line(metas: list[dict[str, Any]]) -> str:
-    """One line naming the hardware and software that produced a section's numbers."""
-    seen = []
+    """One line naming the hardware and software that produced a section's numbers, and the code's commits."""
+    setups: dict[str, dict[str, list[str]]] = {}
     for meta in metas:
         p = meta["provenance"]
         count = p.get("device_count") or 0
@@ -65,14 +65,18 @@ def provenance_line(metas: list[dict[str, Any]]) -> str:
             if count
             else f"CPU ({p.get('cpu_threads')} thread{'' if p.get('cpu_threads') == 1 else 's'})"
         )
+        setup = f"{device}; torch {p['torch']}, CUDA {p.get('cuda') or '—'}, triton {p.get('triton') or '—'}"
+        seen = setups.setdefault(setup, {"commits": [], "dates": []})
         commit = (p.get("git_commit") or "unknown")[:10] + (" (dirty)" if p.get("git_dirty") else "")
-        text = (
-            f"{device}; torch {p['torch']}, CUDA {p.get('cuda') or '—'}, triton {p.get('triton') or '—'}; "
-            f"commit {commit}; {p['timestamp'][:10]}"
-        )
-        if text not in seen:
-            seen.append(text)
-    return "_Measured on " + " | ".join(seen) + "._" if seen else ""
+        for key, value in (("commits", commit), ("dates", p["timestamp"][:10])):
+            if value not in seen[key]:
+                seen[key].append(value)
+    parts = [
+        f"{setup}; commit{'s' if len(seen['commits']) > 1 else ''} {', '.join(seen['commits'])}; "
+        f"{', '.join(seen['dates'])}"
+        for setup, seen in setups.items()
+    ]
+    return "_Measured on " + " | ".join(parts) + "._" if parts else ""
 
 
 def not_run(what: str) -> str:

@@ -82,10 +82,13 @@ def findings(frame: pd.DataFrame) -> str:
         )
     oom = frame[frame["status"] == "OOM"]
     for impl, rows in oom.groupby("impl"):
-        first = rows.sort_values("seq_len").iloc[0]
+        shortest = rows[rows["seq_len"] == rows["seq_len"].min()]
+        where = "; ".join(
+            f"{dtype} {', '.join(sorted(set(cells['pass'])))} at d = {', '.join(map(str, sorted(set(cells['d_head']))))}"
+            for dtype, cells in shortest.groupby("dtype")
+        )
         sentences.append(
-            f"{IMPLS.get(impl, impl)} first runs out of memory at seq {first['seq_len']} "
-            f"(d={first['d_head']}, {first['dtype']})."
+            f"{IMPLS.get(impl, impl)} first runs out of memory at seq {shortest['seq_len'].iloc[0]} ({where})."
         )
     ours_ok = frame[(frame["impl"] == "triton") & (frame["status"] == "ok")]
     if len(ours_ok):

@@ -186,19 +186,20 @@ def trend(values: pd.Series) -> str:
 def speedup_table(
     frame: pd.DataFrame, column: str, baseline: str, other: str, order: list[str], labels: dict[str, str]
 ) -> pd.DataFrame:
-    """Per size x context x mode: both variants' mean ± std (or OOM) and the speedup baseline / other."""
+    """Per size x context x mode: both variants' median (± std) or OOM, and the speedup baseline / other of the
+    medians (one slow step, such as a late allocation, moves a mean of ten but not the median)."""
     keys = ["size", "context_length", "mode"]
     stats = step_stats(frame.astype({column: str}), [*keys, column])
     stats["cell"] = stats.apply(
-        lambda r: "OOM" if r.get("oom") is True else f"{r['mean_ms']:.4g} ± {r['std_ms']:.2g}", axis=1
+        lambda r: "OOM" if r.get("oom") is True else f"{r['median_ms']:.4g} (± {r['std_ms']:.2g})", axis=1
     )
     cells = stats.pivot_table(index=keys, columns=column, values="cell", aggfunc="first")
-    means = stats.pivot_table(index=keys, columns=column, values="mean_ms", aggfunc="first")
+    medians = stats.pivot_table(index=keys, columns=column, values="median_ms", aggfunc="first")
     table = pd.DataFrame(
         {labels[baseline]: cells.get(baseline), labels[other]: cells.get(other)}, index=cells.index
     )
-    speedup = means[baseline] / means[other] if {baseline, other} <= set(means.columns) else np.nan
-    table["speedup"] = pd.Series(speedup, index=means.index).reindex(table.index)
+    speedup = medians[baseline] / medians[other] if {baseline, other} <= set(medians.columns) else np.nan
+    table["speedup"] = pd.Series(speedup, index=medians.index).reindex(table.index)
     table = table.reset_index()
     table["size"] = pd.Categorical(table["size"], categories=order, ordered=True)
     table["mode"] = pd.Categorical(
@@ -239,8 +240,8 @@ def bf16_timings(ctx: Context) -> str:
     out = [
         provenance_line(metas),
         f"Batch size {frame['batch_size'].iloc[0]}, {frame['warmup'].iloc[0]} warm-up and {steps} timed steps; "
-        "both precisions of a size run in the same job, one after the other. Speedup = fp32 time / bf16 time "
-        "(above 1: bf16 is faster).",
+        "both precisions of a size run in the same job, one after the other. Median (± standard deviation) ms; "
+        "speedup = fp32 median / bf16 median (above 1: bf16 is faster).",
         "",
         md(table, floatfmt=".2f"),
         "",

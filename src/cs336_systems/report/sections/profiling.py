@@ -105,9 +105,9 @@ def timer_comparison(ctx: Context, ok: pd.DataFrame, on_cuda: bool) -> str:
     if table.empty:
         return "_No forward-only cell ran._"
     ratio = table["profiler / timer"]
-    basis = "device span (first to last kernel it launched)" if on_cuda else "CPU duration"
+    basis = "device span, from the first to the last kernel it launched" if on_cuda else "CPU duration"
     sentences = [
-        f"The profiler's `forward` range ({basis}) is {ratio.min():.0%}–{ratio.max():.0%} of the Python-timed "
+        f"The profiler's `forward` range (its {basis}) is {ratio.min():.0%}–{ratio.max():.0%} of the Python-timed "
         f"step (median {ratio.median():.0%}): the range holds the whole forward pass and its loss, and the rest "
         "of the step is Python around it and the final synchronisation (on a GPU also the launch latency before "
         "the first kernel)."

@@ -95,8 +95,8 @@ def transformer(ctx: Context) -> str:
             provenance_line(metas),
             f"Batch size {frame['batch_size'].iloc[0]}, {frame['warmup'].iloc[0]} warm-up steps (which absorb "
             f"the compilation) and {steps} timed steps, as in §1.1.3; `torch.compile(model)` with default "
-            "settings, the AdamW step not compiled. Both variants of a size run in the same job. Speedup = eager "
-            "time / compiled time.",
+            "settings, the AdamW step not compiled. Both variants of a size run in the same job. Median "
+            "(± standard deviation) ms; speedup = eager median / compiled median.",
             "",
             md(table, floatfmt=".2f"),
             "",
