@@ -171,13 +171,20 @@ def top_kernels(ok: pd.DataFrame, unit: str, layers: dict[str, int]) -> str:
     name = forward["name"].value_counts().index[0]
     cells = forward[forward["name"] == name]
     calls = "; ".join(
-        f"{c:g} for {size}"
+        f"{c:g} times for {size} at context {context}"
         + (f" ({c / layers[size]:.2g} per layer)" if c >= layers.get(size, float("inf")) else "")
-        for size, c in cells.groupby(level="size", sort=False)["count_per_step"].first().items()
+        for (size, context), c in cells.groupby(level=["size", "context_length"], sort=False)[
+            "count_per_step"
+        ]
+        .first()
+        .groupby(level="size", sort=False)
+        .tail(1)
+        .items()
     )
     sentences = [
-        f"In the forward pass the {unit} with the most time is {short_kernel(name)} in {len(cells)} of "
-        f"{len(forward)} cells (all sizes and contexts); calls per forward pass: {calls}."
+        f"In the forward pass the {unit} with the most time is {short_kernel(name)} in {len(cells)} of the "
+        f"{len(forward)} size × context cells; where it is on top it is launched, per forward pass, {calls} (the "
+        "longest such context per size)."
     ]
     if not both.empty:
         paired = both.reindex(forward.index).dropna(subset=["name"])
@@ -330,7 +337,7 @@ def out_of_memory(frame: pd.DataFrame) -> str:
     cells = ", ".join(
         f"{r['size']} / {r['context_length']} / {MODE_LABEL[r['mode']]}" for _, r in oom.iterrows()
     )
-    return f"Out of memory ({len(oom)} cells: size / context / mode): {cells}."
+    return f"Out of memory ({len(oom)} cell{'s' if len(oom) > 1 else ''}: size / context / mode): {cells}."
 
 
 def traces(ctx: Context, metas: list[dict]) -> str:

@@ -93,6 +93,7 @@ def transformer(ctx: Context) -> str:
     return "\n".join(
         [
             provenance_line(metas),
+            coverage(ctx, frame),
             f"Batch size {frame['batch_size'].iloc[0]}, {frame['warmup'].iloc[0]} warm-up steps (which absorb "
             f"the compilation) and {steps} timed steps, as in §1.1.3; `torch.compile(model)` with default "
             "settings, the AdamW step not compiled. Both variants of a size run in the same job. Median "
@@ -106,4 +107,21 @@ def transformer(ctx: Context) -> str:
             "RoPE, SwiGLU's gate, attention's scale/mask/softmax) into fewer kernels; the matmuls are unchanged, so "
             "the gain is largest where the elementwise, memory-bound part of a step is largest.",
         ]
+    )
+
+
+def coverage(ctx: Context, frame: pd.DataFrame) -> str:
+    """Which of the §1.1.3 table's sizes and contexts this run compiled, when it is a subset (config `compile`)."""
+    e2e = ctx.table("e2e")
+    ran = set(zip(frame["size"], frame["context_length"], strict=True))
+    if e2e is None:
+        return ""
+    table = set(zip(e2e[0]["size"], e2e[0]["context_length"], strict=True))
+    missing = table - ran
+    if not missing:
+        return ""
+    return (
+        f"This run compiled {len(ran & table)} of the §1.1.3 table's {len(table)} size × context cells "
+        f"(sizes {', '.join(sorted(set(frame['size'])))}; contexts "
+        f"{', '.join(map(str, sorted(set(frame['context_length']))))}), as set by `compile` in `config.yaml`. "
     )
