@@ -83,6 +83,11 @@ def not_run(what: str) -> str:
     return f"_{what} has no results in this run yet._"
 
 
+def not_measured(reason: str) -> str:
+    """What a section says when its deliverable only recorded why it did not run here (see skipped_reason)."""
+    return f"Not measured in this run: {reason}."
+
+
 def skipped_reason(frame: pd.DataFrame) -> str | None:
     """If every row of a table says `skipped`, the reason it gives (e.g. 'needs CUDA')."""
     if "status" in frame and (frame["status"] == "skipped").all():

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 
 from cs336_systems.attention_memory import naive_attention_memory
-from cs336_systems.report.context import Context, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import Context, not_measured, not_run, provenance_line, skipped_reason
 
 CELL = ["d", "seq_len"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -45,7 +45,7 @@ def load(ctx: Context) -> tuple[pd.DataFrame, list[dict]] | str:
     frame, metas = found
     reason = skipped_reason(frame)
     if reason:
-        return f"{provenance_line(metas)}\n\nNot measured in this run: {reason}."
+        return f"{provenance_line(metas)}\n\n{not_measured(reason)}"
     return frame, metas
 
 

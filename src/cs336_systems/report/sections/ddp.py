@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from cs336_systems.report.context import Context, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import Context, not_measured, not_run, provenance_line, skipped_reason
 from cs336_systems.report.sections.allreduce import count, fit_all, num, text_md
 
 ORDER = ["naive", "flat", "overlap", "bucketed", "torch_ddp", "single"]
@@ -42,7 +42,7 @@ def check(ctx: Context) -> str:
     out = ["### Correctness (naive_ddp)", "", provenance_line(metas)]
     reason = skipped_reason(frame)
     if reason:
-        return "\n".join([*out, f"Not run: {reason}."])
+        return "\n".join([*out, not_measured(reason)])
     first = frame.iloc[0]
     out += [
         f"The toy model (fc1 → ReLU → LayerNorm → fc2) on {first['world_size']} ranks ({first['backend']}): every "
@@ -89,7 +89,7 @@ def benchmark(ctx: Context) -> str:
     out = [heading, "", provenance_line(metas)]
     reason = skipped_reason(frame)
     if reason:
-        return "\n".join([*out, f"Not run: {reason}.", "", bucket_model_text()])
+        return "\n".join([*out, not_measured(reason), "", bucket_model_text()])
     stats = cell_stats(frame)
     ok = stats[~stats["oom"]]
     first = frame[frame["status"] == "ok"].iloc[0]
@@ -309,7 +309,7 @@ def timeline_section(ctx: Context, ok: pd.DataFrame, on_gpu: bool) -> str:
     frame, _ = found
     reason = skipped_reason(frame)
     if reason:
-        return "\n".join([*out, f"Not run: {reason}."])
+        return "\n".join([*out, not_measured(reason)])
     frame = frame[frame["status"] == "ok"].assign(bucket_size_mb=frame["bucket_size_mb"].fillna(0.0))
     ours = ok[ok["variant"] == "bucketed"]
     best_bucket = ours.loc[ours["median_ms"].idxmin(), "bucket_size_mb"] if len(ours) else None

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from cs336_systems.report.context import Context, md, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import Context, md, not_measured, not_run, provenance_line, skipped_reason
 
 PASSES = ["forward", "backward", "forward_backward"]
 IMPLS = {"triton": "ours (Triton)", "pytorch_naive": "naive PyTorch", "sdpa": "SDPA"}
@@ -33,7 +33,7 @@ def benchmark(ctx: Context) -> str:
     ]
     reason = skipped_reason(frame)
     if reason:
-        return "\n".join(head + [f"_Not run on this machine: {reason}._"])
+        return "\n".join(head + [not_measured(reason)])
     frame = frame.assign(cell=cell(frame))
     head.append(
         "Batch 1, one head, causal; `triton.testing.do_bench` medians in ms (`OOM` where the implementation ran out "
@@ -150,7 +150,7 @@ def leaderboard(ctx: Context) -> str:
     head = ["### Leaderboard (spec §1.3.3)", "", provenance_line(metas), ""]
     reason = skipped_reason(frame)
     if reason:
-        return "\n".join(head + [f"_Not run on this machine: {reason}._"])
+        return "\n".join(head + [not_measured(reason)])
     p = frame.iloc[0]
     shown = frame[["impl", "pass", "ms", "median_ms", "tflops", "status"]]
     head += [

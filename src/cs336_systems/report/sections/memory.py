@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from cs336_systems.model import ModelConfig
-from cs336_systems.report.context import Context, md, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import Context, md, not_measured, not_run, provenance_line, skipped_reason
 
 MIB = 2**20
 MODE_LABEL = {"forward": "forward", "train_step": "train step"}
@@ -35,7 +35,7 @@ def render(ctx: Context) -> str:
     reason = skipped_reason(peaks) if len(peaks) else "no peak rows"
     if reason:
         out += [
-            f"(a)–(c), (e): not measured in this run: {reason}.",
+            f"(a)–(c), (e): {not_measured(reason)}",
             "",
             "### (d) One residual-stream activation",
             "",
@@ -268,7 +268,7 @@ def largest_allocations(ctx: Context, params: dict[str, Any], top: int = 10) -> 
     frame, _ = found
     reason = skipped_reason(frame)
     if reason:
-        return f"Not measured in this run: {reason}."
+        return not_measured(reason)
     fp32 = frame[frame["autocast"] == "none"]
     frame = fp32 if len(fp32) else frame
     context = int(frame["context_length"].max())

@@ -6,7 +6,15 @@ import re
 
 import pandas as pd
 
-from cs336_systems.report.context import Context, md, model_order, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import (
+    Context,
+    md,
+    model_order,
+    not_measured,
+    not_run,
+    provenance_line,
+    skipped_reason,
+)
 from cs336_systems.report.sections.e2e import MODE_LABEL, step_stats
 
 CELL = ["size", "context_length", "mode"]
@@ -19,7 +27,7 @@ def render(ctx: Context) -> str:
     frame, metas = found
     reason = skipped_reason(frame)
     if reason:
-        return f"{provenance_line(metas)}\n\nNot measured in this run: {reason}."
+        return f"{provenance_line(metas)}\n\n{not_measured(reason)}"
     ok = in_model_order(frame[frame["status"] == "ok"], model_order(metas))
     on_cuda = (ok["device"] == "cuda").any()
     unit = "CUDA kernel" if on_cuda else "aten op"

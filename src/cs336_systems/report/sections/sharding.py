@@ -8,7 +8,7 @@ import math
 import pandas as pd
 
 from cs336_systems.accounting import data_parallel_communication, values
-from cs336_systems.report.context import Context, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import Context, not_measured, not_run, provenance_line, skipped_reason
 from cs336_systems.report.sections.allreduce import count, text_md
 
 VARIANT = {
@@ -32,7 +32,7 @@ def render(ctx: Context) -> str:
     out = [provenance_line(metas)]
     reason = skipped_reason(frame)
     if reason:
-        return "\n".join([*out, f"Not run: {reason}.", "", zero_comparison(None)])
+        return "\n".join([*out, not_measured(reason), "", zero_comparison(None)])
     oom = frame[frame["status"] == "OOM"]["variant"].unique()
     frame = frame[frame["status"] != "OOM"]
     first = frame.iloc[0]

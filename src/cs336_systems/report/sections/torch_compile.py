@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report.context import Context, md, model_order, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import (
+    Context,
+    md,
+    model_order,
+    not_measured,
+    not_run,
+    provenance_line,
+    skipped_reason,
+)
 from cs336_systems.report.sections import attention as attention_section
 from cs336_systems.report.sections.attention import cell_times, timing_cell
 from cs336_systems.report.sections.mixed_precision import speedup_sentences, speedup_table
@@ -86,7 +94,7 @@ def transformer(ctx: Context) -> str:
     frame, metas = found
     reason = skipped_reason(frame)
     if reason:
-        return f"{provenance_line(metas)}\n\nNot measured in this run: {reason}."
+        return f"{provenance_line(metas)}\n\n{not_measured(reason)}"
     labels = {"False": "eager ms", "True": "compiled ms"}
     table = speedup_table(frame, "compile", "False", "True", model_order(metas), labels)
     steps = frame[frame["status"] == "ok"].groupby(["size", "context_length", "mode", "compile"]).size().max()
