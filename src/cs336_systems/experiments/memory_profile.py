@@ -170,15 +170,13 @@ def profile_cell(
     step = workload.make_step(model, optimizer, batch, mode, workload.AUTOCAST[autocast])
     time_steps(step, args.warmup, 0, device)
     # A train step's peak, split at the optimizer step: forward + backward before it, AdamW's update during it.
-    # Each hook reads the peaks since the last reset and resets them, so the whole step's peak is their maximum.
-    phase_peaks = {"forward_backward": 0, "optimizer_step": 0}
-    reserved_peak = 0
+    # Each hook takes the peaks since the last reset and resets them, so the step's peaks are their maxima.
+    phase_peaks: dict[str, dict[str, float]] = {}
 
     def mark(phase: str) -> Callable[..., None]:
         def hook(*_: object) -> None:
-            nonlocal reserved_peak
-            phase_peaks[phase] = max(phase_peaks[phase], torch.cuda.max_memory_allocated(device))
-            reserved_peak = max(reserved_peak, torch.cuda.max_memory_reserved(device))
+            before = phase_peaks.get(phase, {})
+            phase_peaks[phase] = {key: max(mib, before.get(key, 0.0)) for key, mib in _peaks(device).items()}
             torch.cuda.reset_peak_memory_stats(device)
 
         return hook
@@ -189,12 +187,9 @@ def profile_cell(
     torch.cuda.reset_peak_memory_stats(device)
     start = torch.cuda.memory_allocated(device)
     record_steps(step, args.steps, device, snapshot)
-    peaks = {
-        "peak_allocated_mib": max(torch.cuda.max_memory_allocated(device), *phase_peaks.values()) / MIB,
-        "peak_reserved_mib": max(torch.cuda.max_memory_reserved(device), reserved_peak) / MIB,
-    }
-    if mode == "train_step":
-        peaks.update({f"{phase}_peak_mib": peak / MIB for phase, peak in phase_peaks.items()})
+    parts = [_peaks(device), *phase_peaks.values()]
+    peaks = {key: max(part[key] for part in parts) for key in parts[0]}
+    peaks.update({f"{phase}_peak_mib": part["peak_allocated_mib"] for phase, part in phase_peaks.items()})
     return {"start_allocated_mib": start / MIB, **peaks}
 
 
