@@ -65,6 +65,7 @@ ALL_SIZES = config["model_sizes"]
 wildcard_constraints:
     size="|".join(re.escape(s) for s in config["model_sizes"]),
     warmup=r"\d+",
+    context=r"\d+",
 
 
 # --- Resources: what a job needs, declared by every rule: `gpu`, `threads`, `mem_mb`, `runtime` (minutes). ---

@@ -194,32 +194,34 @@ rule attention_benchmark:
         "--passes {params.passes} --variants eager compiled --device {params.device} --out {output.csv} 2> {log}"
 
 
-# §1.3.1 (b): the Transformer eager and torch.compile'd, in the same job, with e2e's warm-up and steps.
+# §1.3.1 (b): the Transformer eager and torch.compile'd, in the same job, with e2e's warm-up and steps. One job
+# per size and context: the compiled graph is specialised to its input shape and compiling the largest sizes
+# takes minutes, so each cell is its own job and a run cut short keeps the cells it finished.
 rule compile_e2e:
     input:
         code("experiments/e2e_benchmark.py") + MODEL_CODE,
     output:
-        eager=report(f"{RESULTS}/compile/{{size}}_eager.csv", caption="report/compile.rst", category="Results",
-                     subcategory="1.3.1 torch.compile"),
-        eager_json=f"{RESULTS}/compile/{{size}}_eager.json",
-        compiled=report(f"{RESULTS}/compile/{{size}}_compiled.csv", caption="report/compile.rst",
+        eager=report(f"{RESULTS}/compile/{{size}}_{{context}}_eager.csv", caption="report/compile.rst",
+                     category="Results", subcategory="1.3.1 torch.compile"),
+        eager_json=f"{RESULTS}/compile/{{size}}_{{context}}_eager.json",
+        compiled=report(f"{RESULTS}/compile/{{size}}_{{context}}_compiled.csv", caption="report/compile.rst",
                         category="Results", subcategory="1.3.1 torch.compile"),
-        compiled_json=f"{RESULTS}/compile/{{size}}_compiled.json",
+        compiled_json=f"{RESULTS}/compile/{{size}}_{{context}}_compiled.json",
     params:
         model=lambda w: model_flags(w.size),
-        contexts=listed(COMPILE["context_lengths"]),
+        contexts=lambda w: w.context,
         batch_size=E2E["batch_size"],
         warmup=E2E["warmup"],
         steps=E2E["steps"],
         device=R["device"],
-        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/compile/{w.size}_compiled.csv"),
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/compile/{w.size}_{w.context}_compiled.csv"),
     threads: NEEDS["heavy"].threads
     resources:
         gpu=GPU_JOB,
         mem_mb=NEEDS["heavy"].mem_mb,
         runtime=NEEDS["heavy"].runtime,
     log:
-        f"{RESULTS}/logs/compile/{{size}}.log",
+        f"{RESULTS}/logs/compile/{{size}}_{{context}}.log",
     conda:
         ENV
     shell:
@@ -235,5 +237,5 @@ WRITEUP_INPUTS += expand(f"{RESULTS}/mixed_precision_e2e/{{size}}_{{precision}}.
 WRITEUP_INPUTS += [f"{RESULTS}/memory/peaks.csv", f"{RESULTS}/memory_allocations/largest.csv",
                    f"{RESULTS}/memory_snapshots"]
 WRITEUP_INPUTS += [f"{RESULTS}/attention/naive.csv"]
-WRITEUP_INPUTS += expand(f"{RESULTS}/compile/{{size}}_{{variant}}.csv", size=COMPILE["sizes"],
-                         variant=["eager", "compiled"])
+WRITEUP_INPUTS += expand(f"{RESULTS}/compile/{{size}}_{{context}}_{{variant}}.csv", size=COMPILE["sizes"],
+                         context=COMPILE["context_lengths"], variant=["eager", "compiled"])

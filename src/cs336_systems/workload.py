@@ -98,8 +98,15 @@ def build(
     cfg: ModelConfig, device: torch.device, compile: bool = False
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model, initialised directly on `device` (a 3B-parameter init on the CPU takes minutes), optionally
-    torch.compile'd, and its AdamW optimizer (state is created lazily at the first step)."""
+    torch.compile'd, and its AdamW optimizer (state is created lazily at the first step).
+
+    A compiled model is compiled from scratch for its one input shape, as in a fresh process: without the reset,
+    a second context length in the same process would get a dynamic-shape graph (automatic dynamic shapes), and
+    past the recompile limit the model would silently run eagerly."""
     with torch.device(device):
         model = TransformerLM(cfg)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    return (torch.compile(model) if compile else model), optimizer
+    if compile:
+        torch.compiler.reset()
+        model = torch.compile(model, dynamic=False)
+    return model, optimizer

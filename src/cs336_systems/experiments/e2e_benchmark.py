@@ -2,6 +2,8 @@
 
 For each context length and mode, build the model, run `--warmup` untimed steps and `--steps` timed steps,
 synchronising after each, and write one row per timed step (or one `OOM` row for a cell that does not fit).
+The first warm-up step is timed on its own (`first_step_ms` on every row of the cell): it holds the one-off
+costs, torch.compile's compilation above all.
 """
 
 from __future__ import annotations
@@ -60,14 +62,19 @@ def run(args: argparse.Namespace) -> list[dict]:
                 model, optimizer = workload.build(cfg, device, compile=args.compile)
                 batch = workload.random_batch(cfg, args.batch_size, device)
                 step = workload.make_step(model, optimizer, batch, mode, autocast_dtype)
-                times = time_steps(step, args.warmup, args.steps, device)
+                # With no warm-up, the first step is the first timed one (the warm-up study wants exactly that).
+                first_ms = time_steps(step, 0, 1, device)[0] * 1e3 if args.warmup else None
+                times = time_steps(step, max(args.warmup - 1, 0), args.steps, device)
             except Exception as exc:  # noqa: BLE001 - only OOM is recorded, everything else re-raised
                 if not is_oom(exc):
                     raise
                 rows.append({**base, "step": None, "time_ms": None, "status": "OOM"})
                 print(f"[e2e]   OOM: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
             else:
-                rows += [{**base, "step": i, "time_ms": t * 1e3, "status": "ok"} for i, t in enumerate(times)]
+                rows += [
+                    {**base, "first_step_ms": first_ms, "step": i, "time_ms": t * 1e3, "status": "ok"}
+                    for i, t in enumerate(times)
+                ]
             finally:
                 model = optimizer = batch = step = None
                 free_memory()
