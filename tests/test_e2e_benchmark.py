@@ -36,9 +36,73 @@ def test_writes_one_row_per_timed_step_with_provenance(tmp_path):
     assert set(rows["mode"]) == {"forward", "forward_backward", "train_step"}
     assert (rows["status"] == "ok").all() and (rows["time_ms"] > 0).all()
     assert sorted(rows["step"].unique()) == [0, 1, 2]
+    # The first warm-up step, timed on its own: one value per cell, on every row of it.
+    firsts = rows.groupby(["context_length", "mode"])["first_step_ms"]
+    assert (firsts.nunique() == 1).all() and (rows["first_step_ms"] > 0).all()
     meta = json.loads(out.with_suffix(".json").read_text())
     assert meta["params"]["context_lengths"] == [16, 32] and meta["rows"] == 18
     assert meta["provenance"]["torch"] == torch.__version__
+
+
+def test_without_warmup_the_first_step_is_a_timed_one(tmp_path):
+    out = tmp_path / "e2e.csv"
+    e2e_benchmark.main(
+        [
+            *TINY,
+            "--context-lengths",
+            "8",
+            "--modes",
+            "forward",
+            "--warmup",
+            "0",
+            "--steps",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    rows = pd.read_csv(out)
+    assert len(rows) == 2 and rows["first_step_ms"].isna().all()
+
+
+def test_each_compiled_cell_compiles_afresh_for_its_one_shape(tmp_path, monkeypatch):
+    """Three context lengths in one process, with a recompile limit of one: each compiles its own graph, with
+    static shapes (no automatic dynamic shapes carried over from the previous cell, no eager fallback)."""
+    graphs = []
+
+    def capture(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compile_(model, backend=capture, **kwargs))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    out = tmp_path / "compiled.csv"
+    e2e_benchmark.main(
+        [
+            *TINY,
+            "--context-lengths",
+            "8",
+            "12",
+            "16",
+            "--modes",
+            "forward",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+            "--compile",
+            "--out",
+            str(out),
+        ]
+    )
+    assert (pd.read_csv(out)["status"] == "ok").all()
+    shapes = []
+    for graph in graphs:
+        inputs = [n.meta["example_value"] for n in graph.graph.nodes if n.op == "placeholder"]
+        assert not any(isinstance(v, torch.SymInt) for v in inputs), "a dynamic-shape graph"
+        shapes.append(next(v.shape for v in inputs if v.dtype == torch.long))  # the token ids
+    assert shapes == [(2, 8), (2, 12), (2, 16)]
 
 
 def test_train_step_changes_parameters_and_forward_does_not():
