@@ -46,21 +46,8 @@ def test_writes_one_row_per_timed_step_with_provenance(tmp_path):
 
 def test_without_warmup_the_first_step_is_a_timed_one(tmp_path):
     out = tmp_path / "e2e.csv"
-    e2e_benchmark.main(
-        [
-            *TINY,
-            "--context-lengths",
-            "8",
-            "--modes",
-            "forward",
-            "--warmup",
-            "0",
-            "--steps",
-            "2",
-            "--out",
-            str(out),
-        ]
-    )
+    flags = "--context-lengths 8 --modes forward --warmup 0 --steps 2 --out".split()
+    e2e_benchmark.main([*TINY, *flags, str(out)])
     rows = pd.read_csv(out)
     assert len(rows) == 2 and rows["first_step_ms"].isna().all()
 
@@ -78,24 +65,8 @@ def test_each_compiled_cell_compiles_afresh_for_its_one_shape(tmp_path, monkeypa
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compile_(model, backend=capture, **kwargs))
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     out = tmp_path / "compiled.csv"
-    e2e_benchmark.main(
-        [
-            *TINY,
-            "--context-lengths",
-            "8",
-            "12",
-            "16",
-            "--modes",
-            "forward",
-            "--warmup",
-            "1",
-            "--steps",
-            "1",
-            "--compile",
-            "--out",
-            str(out),
-        ]
-    )
+    flags = "--context-lengths 8 12 16 --modes forward --warmup 1 --steps 1 --compile --out".split()
+    e2e_benchmark.main([*TINY, *flags, str(out)])
     assert (pd.read_csv(out)["status"] == "ok").all()
     shapes = []
     for graph in graphs:
