@@ -63,10 +63,10 @@ def test_each_compiled_cell_compiles_afresh_for_its_one_shape(tmp_path, monkeypa
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: compile_(model, backend=capture, **kwargs))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     out = tmp_path / "compiled.csv"
     flags = "--context-lengths 8 12 16 --modes forward --warmup 1 --steps 1 --compile --out".split()
-    e2e_benchmark.main([*TINY, *flags, str(out)])
+    with torch._dynamo.config.patch(recompile_limit=1):  # (monkeypatch would delete the key on undo)
+        e2e_benchmark.main([*TINY, *flags, str(out)])
     assert (pd.read_csv(out)["status"] == "ok").all()
     shapes = []
     for graph in graphs:
