@@ -249,11 +249,15 @@ def compile_cost(frame: pd.DataFrame, metas: list[dict]) -> str:
     for mode, by_size in medians.groupby("mode"):
         by_size = by_size.droplevel("mode").reindex(by_layers).dropna()
         label = MODE_LABEL[mode]
-        sentences.append(
-            f"{label[0].upper()}{label[1:]}: compiling costs {span(by_size, '{:.0f}')} s (median per size); "
-            f"ordered by layer count it {trend(by_size)} ({by_size.index[0]}: {by_size.iloc[0]:.0f} s, "
-            f"{by_size.index[-1]}: {by_size.iloc[-1]:.0f} s)."
+        sentence = (
+            f"{label[0].upper()}{label[1:]}: compiling costs {span(by_size, '{:.0f}')} s (median per size)"
         )
+        if len(by_size) > 1:
+            sentence += (
+                f"; ordered by layer count it {trend(by_size)} ({by_size.index[0]}: {by_size.iloc[0]:.0f} s, "
+                f"{by_size.index[-1]}: {by_size.iloc[-1]:.0f} s)"
+            )
+        sentences.append(sentence + ".")
     widest, deepest = max(widths, key=widths.get), max(layers, key=layers.get)
     both = medians.unstack("size").reindex(columns=[widest, deepest]).dropna()  # modes where both have a cost
     if widest != deepest and len(both) and (both[widest] < both[deepest]).all():
@@ -265,7 +269,7 @@ def compile_cost(frame: pd.DataFrame, metas: list[dict]) -> str:
     return "\n".join(
         [
             "**What compiling costs.** Compile cost = the compiled model's first step minus eager's first step "
-            "(both are cold: eager's includes cuBLAS and allocator warm-up), per cell; steps to pay back = "
+            "(both are cold: eager's includes the math library's and the allocator's warm-up), per cell; steps to pay back = "
             "cost / (eager median − compiled median). Ranges are over the contexts of a size.",
             "",
             md(cost),
