@@ -46,7 +46,7 @@ METAS = [meta("shallow"), meta("deep")]
 
 
 def test_compile_cost_and_pay_back_come_from_the_first_and_timed_steps():
-    text = torch_compile.compile_cost(FRAME, METAS)
+    text = torch_compile.compile_cost(torch_compile.step_times(FRAME), METAS)
     table = pd.DataFrame(
         [line.strip("|").split("|") for line in text.splitlines() if line.startswith("|")][2:]
     ).map(str.strip)
@@ -63,9 +63,14 @@ def test_compile_cost_and_pay_back_come_from_the_first_and_timed_steps():
 
 def test_speedups_extremes_and_out_of_memory_sentences():
     table = speedup_table(FRAME, "compile", "False", "True", ["shallow", "deep"], torch_compile.LABELS)
-    assert list(torch_compile.speedups(table)) == [2.0, 1.5, 2.0]  # shallow, deep forward; shallow train step
+    cells = torch_compile.step_times(FRAME)
+    assert torch_compile.speedups(cells).to_dict() == {  # deep's train step: eager ran out of memory
+        ("forward", "deep", 64): 1.5,
+        ("forward", "shallow", 64): 2.0,
+        ("train step (AdamW)", "shallow", 64): 2.0,
+    }
     assert "largest for shallow's forward at context 64 (2.00×) and smallest for deep's forward" in (
-        torch_compile.extremes(table, FRAME)
+        torch_compile.extremes(cells)
     )
     assert (
         torch_compile.out_of_memory(table)
@@ -74,4 +79,6 @@ def test_speedups_extremes_and_out_of_memory_sentences():
 
 
 def test_a_run_without_first_step_times_shows_no_cost():
-    assert torch_compile.compile_cost(FRAME.drop(columns="first_step_ms"), METAS) == ""
+    assert (
+        torch_compile.compile_cost(torch_compile.step_times(FRAME.drop(columns="first_step_ms")), METAS) == ""
+    )

@@ -102,9 +102,10 @@ def transformer(ctx: Context) -> str:
     order = model_order(metas)
     table = speedup_table(frame, "compile", "False", "True", order, LABELS)
     steps = frame[frame["status"] == "ok"].groupby(["size", "context_length", "mode", "compile"]).size().max()
+    cells = step_times(frame)
     findings = [
         speedup_sentences(table, "the compiled model's speedup"),
-        extremes(table, frame),
+        extremes(cells),
         out_of_memory(table),
     ]
     return "\n".join(
@@ -120,7 +121,7 @@ def transformer(ctx: Context) -> str:
             "",
             md(table, floatfmt=".2f"),
             "",
-            speedup_figure(ctx, table, order),
+            speedup_figure(ctx, speedups(cells), order),
             "",
             " ".join(f for f in findings if f),
             "",
@@ -128,20 +129,34 @@ def transformer(ctx: Context) -> str:
             "RoPE, SwiGLU's gate, attention's scale/mask/softmax) into fewer kernels; the matmuls are unchanged, so "
             "the gain is largest where the elementwise, memory-bound part of a step is largest.",
             "",
-            compile_cost(frame, metas),
+            compile_cost(cells, metas),
         ]
     )
 
 
-def speedups(table: pd.DataFrame) -> pd.Series:
-    """The speedup column of `speedup_table` as numbers, indexed by (mode, size, context), without OOM cells."""
-    ran = table[table["speedup"] != "—"]
-    return ran.set_index(["mode", "size", "context_length"])["speedup"].str.rstrip("×").astype(float)
+def step_times(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per cell that ran, indexed by (mode label, size, context): each variant's median step and first step in ms,
+    as columns (`median_ms` | `first_ms`, "False" | "True"); `first_ms` is NaN for results that lack it."""
+    ok = frame[frame["status"] == "ok"].astype({"compile": str})
+    if "first_step_ms" not in ok:
+        ok = ok.assign(first_step_ms=float("nan"))
+    return (
+        ok.groupby([ok["mode"].map(MODE_LABEL), "size", "context_length", "compile"])
+        .agg(median_ms=("time_ms", "median"), first_ms=("first_step_ms", "first"))
+        .unstack("compile")
+    )
 
 
-def extremes(table: pd.DataFrame, frame: pd.DataFrame) -> str:
+def speedups(cells: pd.DataFrame) -> pd.Series:
+    """Eager median / compiled median per cell where both ran, indexed by (mode, size, context)."""
+    if not {"False", "True"} <= set(cells["median_ms"].columns):
+        return pd.Series(dtype=float)
+    return (cells["median_ms"]["False"] / cells["median_ms"]["True"]).dropna()
+
+
+def extremes(cells: pd.DataFrame) -> str:
     """Where compilation helps most and least, and whether eager is launch-bound where it helps most."""
-    values = speedups(table)
+    values = speedups(cells)
     if len(values) < 2:
         return ""
     (mode, size, context), (low_mode, low_size, low_context) = values.idxmax(), values.idxmin()
@@ -150,8 +165,7 @@ def extremes(table: pd.DataFrame, frame: pd.DataFrame) -> str:
         f"({values.max():.2f}×) and smallest for {low_size}'s {low_mode} at context {low_context} "
         f"({values.min():.2f}×)."
     )
-    eager = frame[(frame["status"] == "ok") & (frame["compile"].astype(str) == "False")]
-    eager = eager.groupby([eager["mode"].map(MODE_LABEL), "size", "context_length"])["time_ms"].median()
+    eager = cells["median_ms"]["False"].dropna()
     doubled = (mode, size, 2 * context)
     if doubled in eager.index:
         at, at_double = eager[mode, size, context], eager[doubled]
@@ -182,8 +196,7 @@ def out_of_memory(table: pd.DataFrame) -> str:
     return " ".join(sentences)
 
 
-def speedup_figure(ctx: Context, table: pd.DataFrame, order: list[str]) -> str:
-    values = speedups(table)
+def speedup_figure(ctx: Context, values: pd.Series, order: list[str]) -> str:
     if values.empty:
         return ""
     modes = list(dict.fromkeys(values.index.get_level_values("mode")))
@@ -205,19 +218,13 @@ def speedup_figure(ctx: Context, table: pd.DataFrame, order: list[str]) -> str:
     return ctx.figure(fig, f"compile_speedup_{ctx.run}", "torch.compile speedup by context length and size")
 
 
-def compile_cost(frame: pd.DataFrame, metas: list[dict]) -> str:
+def compile_cost(cells: pd.DataFrame, metas: list[dict]) -> str:
     """What compiling costs: the first step's extra time over eager's first step, and the steps it takes to win it
-    back at the measured saving per step."""
-    if "first_step_ms" not in frame:
+    back at the measured saving per step (`cells` from `step_times`)."""
+    if not {"False", "True"} <= set(cells["median_ms"].columns):
         return ""
-    ok = frame[frame["status"] == "ok"].astype({"compile": str})
-    cells = (
-        ok.groupby(["size", "context_length", "mode", "compile"])
-        .agg(first_ms=("first_step_ms", "first"), median_ms=("time_ms", "median"))
-        .unstack("compile")
-        .dropna()
-    )
-    if cells.empty or not {"True", "False"} <= set(cells.columns.get_level_values("compile")):
+    cells = cells.dropna()
+    if cells.empty:
         return ""
     cost_s = (cells[("first_ms", "True")] - cells[("first_ms", "False")]) / 1e3
     saving_ms = cells[("median_ms", "False")] - cells[("median_ms", "True")]
@@ -236,7 +243,7 @@ def compile_cost(frame: pd.DataFrame, metas: list[dict]) -> str:
             {
                 "size": size,
                 "layers": layers[size],
-                "mode": MODE_LABEL[mode],
+                "mode": mode,
                 "compile cost s": span(cell["cost"], "{:.0f}"),
                 "steps to pay back": span(paid.round(), "{:,.0f}") if len(paid) else "never (no saving)",
             }
@@ -248,7 +255,7 @@ def compile_cost(frame: pd.DataFrame, metas: list[dict]) -> str:
     sentences = []
     for mode, by_size in medians.groupby("mode"):
         by_size = by_size.droplevel("mode").reindex(by_layers).dropna()
-        label = MODE_LABEL[mode]
+        label = str(mode)
         sentence = (
             f"{label[0].upper()}{label[1:]}: compiling costs {span(by_size, '{:.0f}')} s (median per size)"
         )
