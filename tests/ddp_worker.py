@@ -1,17 +1,20 @@
 """Worker for tests/test_ddp.py, run by the real launcher:
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/ddp_worker.py {equality,fail}
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/ddp_worker.py {equality,fail,teardown}
 
 `equality` checks every DDP wrapper against single-process training on the full batch, on every rank, and
 exits non-zero (through cs336_systems.distributed's error handling) at the first mismatch. `fail` makes rank 1
-raise while rank 0 waits in a collective, to show the job ends quickly instead of hanging.
+raise while rank 0 waits in a collective, to show the job ends quickly instead of hanging. `teardown` trains a
+step with every wrapper and then checks that leaving the job stopped all of gloo's threads.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -198,6 +201,24 @@ def run_equality() -> None:
         print(f"DDP equality OK on {dist.get_world_size()} ranks", flush=True)
 
 
+def train_a_step_with_every_wrapper() -> None:
+    """One step per wrapper with a torch.optim optimizer, whose first use imports torch.distributed.nn."""
+    for name, (make_ddp, _) in wrappers(ToyModel).items():
+        ddp = make_ddp(ToyModel().to(DTYPE))
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        inputs, targets = ToyModel.batch(torch.Generator().manual_seed(dist.get_rank()), EXAMPLES_PER_RANK)
+        ToyModel.loss_fn(ddp(inputs), targets).backward()
+        ddp.finish_gradient_synchronization()
+        optimizer.step()
+        assert all(torch.isfinite(p).all() for p in ddp.parameters()), name
+
+
+def backend_threads() -> list[str]:
+    """Names of this process's threads that belong to gloo (its worker threads and its TCP loop)."""
+    names = [Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    return [name for name in names if "gloo" in name]
+
+
 def run_fail() -> None:
     if dist.get_rank() == 1:
         raise ValueError("deliberate failure on rank 1")
@@ -207,4 +228,11 @@ def run_fail() -> None:
 if __name__ == "__main__":
     mode = sys.argv[1]
     with distributed(backend="gloo", timeout_s=600):
-        {"equality": run_equality, "fail": run_fail}[mode]()
+        {"equality": run_equality, "fail": run_fail, "teardown": train_a_step_with_every_wrapper}[mode]()
+    if mode == "teardown":
+        # Threads still running here would meet the interpreter's shutdown, where a gloo thread that frees a
+        # tensor aborts the process (see cs336_systems.distributed.leave_together).
+        assert not backend_threads(), (
+            f"gloo threads still running after the process group was destroyed: {backend_threads()}"
+        )
+        print(f"rank {os.environ['RANK']}: no gloo thread left", flush=True)

@@ -41,6 +41,14 @@ def test_a_failing_rank_ends_the_job_quickly_with_its_message():
     assert elapsed < 45, f"took {elapsed:.0f} s to end the job"
 
 
+def test_leaving_the_job_stops_every_gloo_thread():
+    """A gloo thread still running at interpreter shutdown aborts the process when it frees a tensor
+    ("terminate called without an active exception"), at random; here the cause is checked deterministically."""
+    result = launch(2, str(WORKER), "teardown")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("no gloo thread left") == 2, result.stdout + result.stderr
+
+
 # The experiment CLIs, each at toy size under the launcher; rank 0 writes the rows.
 
 

@@ -125,6 +125,33 @@ def test_bad_flags_fail_before_any_work(tmp_path, capsys, flags, message):
     assert not (tmp_path / "x.csv").exists()
 
 
+def test_an_unknown_device_is_an_error_naming_the_flag(tmp_path):
+    with pytest.raises(SystemExit, match="--device gpu0: not a device"):
+        e2e_benchmark.main(
+            [*TINY, "--context-lengths", "16", "--device", "gpu0", "--out", str(tmp_path / "x.csv")]
+        )
+
+
+@pytest.mark.parametrize(
+    "cli", ["e2e_benchmark", "memory_profile", "profile_model", "ddp_benchmark", "sharding_benchmark"]
+)
+def test_model_flags_that_define_no_model_fail_at_parse_time(cli, tmp_path, capsys):
+    """Every CLI that builds the Transformer checks its dimensions before any work (here d_model % heads)."""
+    import importlib
+
+    module = importlib.import_module(f"cs336_systems.experiments.{cli}")
+    flags = "--d-model 30 --d-ff 64 --num-layers 1 --num-heads 4".split()
+    flags += {
+        "ddp_benchmark": ["--context-length", "8"],
+        "sharding_benchmark": ["--context-length", "8"],
+    }.get(cli, ["--context-lengths", "8"])
+    flags += ["--snapshot-dir", str(tmp_path)] if cli == "memory_profile" else []
+    with pytest.raises(SystemExit):
+        module.parse_args([*flags, "--out", str(tmp_path / "x.csv")])
+    err = capsys.readouterr().err
+    assert "the model flags define no model" in err and "d_model" in err, err
+
+
 def test_cuda_without_a_gpu_is_an_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

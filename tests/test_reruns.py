@@ -116,9 +116,12 @@ def test_a_job_skipped_for_lack_of_gpus_reruns_where_they_exist(workdir):
     assert "Params have changed" in elsewhere.stdout + elsewhere.stderr
 
 
-def test_interrupted_run_leaves_no_half_written_result_and_resumes(workdir):
-    """A parameter of e2e_benchmark changes, the run starts, and Ctrl-C (SIGINT to Snakemake's process group)
-    stops it while e2e_benchmark is halfway through its cells; the next run finishes the job."""
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
+def test_interrupted_run_leaves_no_half_written_result_and_resumes(workdir, stop):
+    """A parameter of e2e_benchmark changes and the run starts; a second run in the same directory is refused
+    while it goes on; then Ctrl-C (SIGINT to Snakemake's process group), or SIGKILL as from the OOM killer, stops
+    it halfway through e2e_benchmark's cells. The next run finishes the job: after a kill, once `--unlock` has
+    cleared the lock Snakemake could not release, and without --rerun-incomplete (profiles/default sets it)."""
     path = workdir / "config.yaml"
     config = yaml.safe_load(path.read_text())
     contexts = config["runs"]["cpu"]["e2e"]["context_lengths"] = config["runs"]["cpu"]["e2e"][
@@ -139,19 +142,27 @@ def test_interrupted_run_leaves_no_half_written_result_and_resumes(workdir):
             while not (log.exists() and "[e2e]" in log.read_text()):
                 assert run.poll() is None and time.monotonic() < deadline, "e2e_benchmark never started"
                 time.sleep(0.1)
-            os.killpg(run.pid, signal.SIGINT)
+            second = snakemake(workdir, "report/writeup.md", "--config", "run=cpu")
+            assert second.returncode != 0 and "cannot be locked" in second.stderr, second.stderr[-3000:]
+            assert run.poll() is None, "the second run disturbed the first"
+            os.killpg(run.pid, stop)
             assert run.wait(timeout=60) != 0
         finally:
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGKILL)
     assert last_cell not in log.read_text(), "the job finished before it was interrupted"
-    # Snakemake removed the old result before the job started and the killed job wrote nothing, not even a
-    # temporary file (write_rows renames complete files into place).
+    # After Ctrl-C Snakemake removed the job's output; a killed job wrote none either, not even a temporary
+    # file (write_rows renames complete files into place), and the result from before the change was removed
+    # when the job started.
     assert not csv.exists() and not sidecar.exists()
     assert not list((workdir / "results").rglob("*.tmp")), "a half-written result was left behind"
     assert dry_run(workdir) == {"e2e_benchmark": 1, "writeup": 1}
 
     resumed = snakemake(workdir, "report/writeup.md", "--config", "run=cpu")
+    if stop == signal.SIGKILL:
+        assert resumed.returncode != 0 and "--unlock" in resumed.stderr, resumed.stderr[-3000:]
+        assert snakemake(workdir, "--unlock").returncode == 0
+        resumed = snakemake(workdir, "report/writeup.md", "--config", "run=cpu")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert last_cell in log.read_text() and csv.exists() and sidecar.exists()
     assert dry_run(workdir) == {}

@@ -73,10 +73,13 @@ def free_memory() -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA when present; an explicit `cuda` without a GPU is an error that names the flag."""
+    """`auto` picks CUDA when present; an unknown device, or `cuda` without a GPU, is an error naming the flag."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"--device {name}: not a device (auto, cpu, cuda or cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {name}: CUDA is not available on this machine")
     return device

@@ -7,9 +7,11 @@ Launch every multi-process entry point through the real launcher, which picks a 
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +20,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# torch.distributed.nn.functional binds `group.WORLD` as a default argument when it is first imported, and
+# torch.optim imports it (through torch._dynamo) on first use. Imported after init_process_group, it would hold
+# the default group for good, so destroy_process_group could not stop the group's threads (see leave_together).
+# Imported here, before any group exists, it binds None.
+import torch.distributed.nn  # noqa: F401
 
 BACKENDS = ("gloo", "nccl")
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -87,12 +95,37 @@ def distributed(backend: str | None = None, timeout_s: float = 300.0) -> Iterato
     try:
         ctx = setup_distributed(backend, timeout_s)
         yield ctx
+        leave_together()
     except Exception:
         sys.stdout.flush()
         print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         # No destroy_process_group here: with peers still inside a collective it can block.
         os._exit(1)
+
+
+def leave_together() -> None:
+    """End this rank's part of the job once every rank has finished, with the backend's threads stopped.
+
+    A gloo worker thread drops its last reference to a finished collective (and the tensors in it) just after
+    the caller's wait() returns. If the interpreter is already shutting down then, the thread cannot take the
+    GIL to free those tensors: Python ends the thread with pthread_exit, whose unwinding through a noexcept
+    destructor calls std::terminate ("terminate called without an active exception", SIGABRT). Destroying the
+    group joins those threads while the interpreter is still whole. Should anything still hold the group (so
+    that destroying it cannot stop them), the process exits here, skipping the shutdown they would race with.
+    """
+    dist.barrier()  # no rank tears its connections down while a peer is still using them
+    group = weakref.ref(dist.distributed_c10d._get_default_group())
     dist.destroy_process_group()
+    gc.collect()
+    if group() is not None:
+        print(
+            f"[rank {os.environ.get('RANK', '?')}] warning: the process group outlived destroy_process_group "
+            "(something still references it); exiting without interpreter shutdown so its threads cannot abort it",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:

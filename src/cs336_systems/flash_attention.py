@@ -9,6 +9,10 @@ Backward passes:
 - `FlashAttentionTritonCompiledBackward`: Triton forward, backward by recomputation in PyTorch
   (`flash_backward_reference`, equations 13-19) under `torch.compile` on CUDA, eager elsewhere.
 - `FlashAttentionPyTorch`: the same recomputation backward.
+
+The Triton kernels are PyTorch operators (`torch.ops.cs336.flash_attention_forward` / `_backward`, with fake
+implementations and the autograd formula registered), so torch.compile, at any shape and with dynamic shapes,
+treats a launch as one opaque node; the autograd Functions above are thin wrappers over them.
 """
 
 from __future__ import annotations
@@ -199,47 +203,85 @@ def _as_batched(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, *x.shape[-2:]).contiguous()
 
 
-def _triton_forward(ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool) -> torch.Tensor:
+# The kernels as PyTorch operators: torch.compile sees an opaque op whose output shapes come from the fake
+# implementation, instead of tracing the launch (Python logic on sizes, shape-derived constexprs) into its graph,
+# which fails as soon as a second shape makes the sizes symbolic.
+@torch.library.custom_op("cs336::flash_attention_forward", mutates_args=())
+def flash_attention_forward(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (Q's shape and dtype) and the logsumexp L (Q.shape[:-1], float32), both contiguous."""
     _validate(Q, K, V, is_causal, for_triton=True)
     O, L = flash_triton.flash_forward(_as_batched(Q), _as_batched(K), _as_batched(V), is_causal)
-    O, L = O.view(Q.shape), L.view(Q.shape[:-1])
+    return O.view(Q.shape), L.view(Q.shape[:-1])
+
+
+@flash_attention_forward.register_fake
+def _(
+    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _validate(Q, K, V, is_causal, for_triton=True)
+    return Q.new_empty(Q.shape), Q.new_empty(Q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336::flash_attention_backward", mutates_args=())
+def flash_attention_backward(
+    Q: torch.Tensor,
+    K: torch.Tensor,
+    V: torch.Tensor,
+    O: torch.Tensor,
+    dO: torch.Tensor,
+    L: torch.Tensor,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (contiguous, in the shapes and dtype of Q, K, V)."""
+    dQ, dK, dV = flash_triton.flash_backward(
+        *map(_as_batched, (Q, K, V, O, dO)), L.reshape(-1, Q.shape[-2]), is_causal
+    )
+    return dQ.view(Q.shape), dK.view(K.shape), dV.view(V.shape)
+
+
+@flash_attention_backward.register_fake
+def _(Q, K, V, O, dO, L, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return Q.new_empty(Q.shape), K.new_empty(K.shape), V.new_empty(V.shape)
+
+
+def _backward_of_forward(ctx, dO: torch.Tensor, dL: torch.Tensor):
+    L, Q, K, V, O = ctx.saved_tensors
+    return (*flash_attention_backward(Q, K, V, O, dO, L, ctx.is_causal), None)
+
+
+def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
+    Q, K, V, is_causal = inputs
+    O, L = output
     ctx.save_for_backward(L, Q, K, V, O)
     ctx.is_causal = is_causal
-    return O
+
+
+# L is an output only for the autograd contract below; its gradient (dL) is never used.
+flash_attention_forward.register_autograd(_backward_of_forward, setup_context=_save_for_backward)
 
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2 in Triton: forward (Algorithm 1) and an atomic-free two-pass backward."""
+    """FlashAttention-2 in Triton: forward (Algorithm 1) and an atomic-free two-pass backward, as an autograd
+    Function over the two operators (what the assignment's adapter returns)."""
 
     @staticmethod
     def forward(
         ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False
     ) -> torch.Tensor:
-        return _triton_forward(ctx, Q, K, V, is_causal)
+        _validate(Q, K, V, is_causal, for_triton=True)  # before the op's schema sees a wrong type
+        O, L = flash_attention_forward(Q, K, V, is_causal)
+        _save_for_backward(ctx, (Q, K, V, is_causal), (O, L))
+        return O
 
     @staticmethod
     def backward(ctx, dO: torch.Tensor):
-        L, Q, K, V, O = ctx.saved_tensors
-        dQ, dK, dV = flash_triton.flash_backward(
-            _as_batched(Q),
-            _as_batched(K),
-            _as_batched(V),
-            _as_batched(O),
-            _as_batched(dO),
-            L.reshape(-1, Q.shape[-2]),
-            ctx.is_causal,
-        )
-        return dQ.view(Q.shape), dK.view(K.shape), dV.view(V.shape), None
+        return _backward_of_forward(ctx, dO, None)
 
 
-class FlashAttentionTritonCompiledBackward(torch.autograd.Function):
+class FlashAttentionTritonCompiledBackward(FlashAttentionTriton):
     """Triton forward with the PyTorch recomputation backward under torch.compile (the spec's part (d))."""
-
-    @staticmethod
-    def forward(
-        ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False
-    ) -> torch.Tensor:
-        return _triton_forward(ctx, Q, K, V, is_causal)
 
     @staticmethod
     def backward(ctx, dO: torch.Tensor):

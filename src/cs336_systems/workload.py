@@ -29,6 +29,15 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", choices=sorted(ATTENTION), default="naive")
 
 
+def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject model flags that define no model (e.g. --d-model not divisible by --num-heads) at parse time,
+    before any work starts, with ModelConfig's own message."""
+    try:
+        model_config(args, context_length=1)
+    except ValueError as error:
+        parser.error(f"the model flags define no model: {error}")
+
+
 def model_config(args: argparse.Namespace, context_length: int) -> ModelConfig:
     return ModelConfig(
         vocab_size=args.vocab_size,

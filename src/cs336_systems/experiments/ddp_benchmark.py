@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--bucket-sizes-mb must be positive, got {args.bucket_sizes_mb}")
     if args.timeline_out is not None and args.trace_dir is None:
         p.error("--timeline-out needs --trace-dir (the timeline is read from the traces)")
-    workload.model_config(args, args.context_length)  # raises ValueError naming a bad model dimension
+    workload.check_model_args(p, args)
     return args
 
 

@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'warmup' else '>= 1'}")
     if any(c < 1 for c in args.context_lengths):
         p.error("--context-lengths must be positive")
+    workload.check_model_args(p, args)
     return args
 
 

@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.allocations_out is None:
         out = Path(args.out)
         args.allocations_out = str(out.with_name(f"{out.stem}_largest_allocations.csv"))
+    workload.check_model_args(p, args)
     return args
 
 

@@ -83,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps and --batch-size must be >= 1")
     if any(c < 1 for c in args.context_lengths):
         p.error("--context-lengths must be positive")
+    workload.check_model_args(p, args)
     return args
 
 

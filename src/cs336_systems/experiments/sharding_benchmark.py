@@ -69,10 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not args.lr > 0:
         p.error(f"--lr must be positive, got {args.lr}")
-    try:
-        workload.model_config(args, args.context_length)
-    except ValueError as exc:  # names the bad model dimension
-        p.error(str(exc))
+    workload.check_model_args(p, args)
     return args
 
 
