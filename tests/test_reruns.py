@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -142,11 +143,15 @@ def test_interrupted_run_leaves_no_half_written_result_and_resumes(workdir, stop
             while not (log.exists() and "[e2e]" in log.read_text()):
                 assert run.poll() is None and time.monotonic() < deadline, "e2e_benchmark never started"
                 time.sleep(0.1)
-            os.killpg(run.pid, signal.SIGSTOP)  # frozen mid-job, holding its lock, while the second run tries
+            # Snakemake and its job frozen mid-job, the lock held, while the second run tries (however slowly).
+            frozen = [run.pid, *(child.pid for child in psutil.Process(run.pid).children(recursive=True))]
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
             try:
                 second = snakemake(workdir, "report/writeup.md", "--config", "run=cpu")
             finally:
-                os.killpg(run.pid, signal.SIGCONT)
+                for pid in frozen:
+                    os.kill(pid, signal.SIGCONT)
             assert second.returncode != 0 and "cannot be locked" in second.stderr, second.stderr[-3000:]
             assert run.poll() is None, "the second run disturbed the first"
             os.killpg(run.pid, stop)
