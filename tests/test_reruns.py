@@ -157,7 +157,9 @@ def test_interrupted_run_leaves_no_half_written_result_and_resumes(workdir, stop
                 assert second.returncode != 0 and "cannot be locked" in second.stderr, second.stderr[-3000:]
                 assert run.poll() is None, "the second run disturbed the first"
             os.killpg(run.pid, stop)
-            assert run.wait(timeout=60) != 0
+            # Not asserted: its exit status. On a loaded machine Snakemake has exited 0 on SIGINT with the job cut
+            # short; what matters is checked below (nothing half-written, the job still to do, then done).
+            run.wait(timeout=60)
         finally:
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGKILL)
