@@ -144,8 +144,8 @@ def test_interrupted_run_leaves_no_half_written_result_and_resumes(workdir, stop
                 assert run.poll() is None and time.monotonic() < deadline, "e2e_benchmark never started"
                 time.sleep(0.1)
             if stop == signal.SIGKILL:
-                # Snakemake and its job frozen mid-job, the lock held, while a second run tries (however slowly).
-                # Not before Ctrl-C: a Snakemake stopped and continued here then exited 0 on SIGINT under load.
+                # Snakemake and its job frozen mid-job, the lock held, while a second run tries (however slowly);
+                # checked once, in one of the two cases.
                 frozen = [run.pid, *(child.pid for child in psutil.Process(run.pid).children(recursive=True))]
                 for pid in frozen:
                     os.kill(pid, signal.SIGSTOP)
