@@ -13,7 +13,6 @@ TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRE
 os.environ["TRITON_INTERPRET"] = "1"
 
 import json  # noqa: E402
-import math  # noqa: E402
 import subprocess  # noqa: E402
 
 import pandas as pd  # noqa: E402
@@ -30,6 +29,8 @@ from cs336_systems.flash_attention import (  # noqa: E402
     flash_attention,
     flash_backward_reference,
 )
+
+from .attention_reference import reference, rel_err  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
@@ -66,24 +67,11 @@ def case_id(case) -> str:
     return f"b{'x'.join(map(str, batch)) or '0'}-q{n_q}-k{n_k}-d{d}-{'causal' if causal else 'full'}"
 
 
-def reference(q, k, v, is_causal):
-    """Plain softmax attention in float64: O and the logsumexp L of the scores."""
-    q, k, v = (t.double() for t in (q, k, v))
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if is_causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
-
-
 def random_inputs(batch, n_q, n_k, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(*batch, n, d, generator=g).to(dtype) for n in (n_q, n_k, n_k))
     do = torch.randn(*batch, n_q, d, generator=g).to(dtype)
     return q, k, v, do
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected).abs().max() / expected.abs().max()).item()
 
 
 def saved_logsumexp(o: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
