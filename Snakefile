@@ -1,8 +1,15 @@
 # The CS336 systems pipeline: `snakemake --cores 1 report/writeup.md`. Logic lives in rules/ and src/.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
 configfile: "config.yaml"
 
 
-include: "rules/common.smk"
+include: "rules/config.smk"
+include: "rules/resources.smk"
+include: "rules/jobs.smk"
 include: "rules/e2e.smk"
 include: "rules/single_gpu.smk"
 include: "rules/flash.smk"

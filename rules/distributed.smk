@@ -9,7 +9,7 @@ SHARDING = R["sharding"]
 ACCOUNTING = config["communication_accounting"]
 # DDP and sharding run on NCCL (one GPU per process) on a GPU run, on gloo (CPU processes) on a CPU run.
 DIST_BACKEND = "nccl" if R["device"] == "cuda" else "gloo"
-DIST_CODE = code("distributed.py", "launch.py", "benchmarking.py", "provenance.py")
+DIST_CODE = code("distributed.py", "launch.py")
 ALLREDUCE_CSV = f"{RESULTS}/allreduce/{{backend}}_n{{world_size}}.csv"
 CHECK_CSV = f"{RESULTS}/naive_ddp/check.csv"
 DDP_CSV = f"{RESULTS}/ddp/benchmark.csv"
@@ -85,7 +85,7 @@ rule naive_ddp_check:
 # copies that skipped row.
 rule ddp_benchmark:
     input:
-        code("experiments/ddp_benchmark.py", "ddp.py") + DIST_CODE + MODEL_CODE,
+        code("experiments/ddp_benchmark.py", "ddp.py", *MODEL_CODE) + DIST_CODE,
     output:
         csv=report(DDP_CSV, caption="report/ddp.rst", category="Results",
                    subcategory="2.2–2.3 Distributed data parallel training"),
@@ -96,7 +96,7 @@ rule ddp_benchmark:
     params:
         nproc=DDP["world_size"],
         backend=DIST_BACKEND,
-        model=model_flags(DDP["size"]),
+        size=DDP["size"],
         batch_size=DDP["batch_size"],
         context_length=DDP["context_length"],
         buckets=listed(DDP["bucket_sizes_mb"]),
@@ -118,7 +118,7 @@ rule ddp_benchmark:
     shell:
         "pin_gpus {params.gpus}; "
         "python -m cs336_systems.launch --nproc {params.nproc} --backend {params.backend} --out {output.csv} -- "
-        "cs336_systems.experiments.ddp_benchmark {params.model} --batch-size {params.batch_size} "
+        "cs336_systems.experiments.ddp_benchmark --size {params.size} --batch-size {params.batch_size} "
         "--context-length {params.context_length} --bucket-sizes-mb {params.buckets} --warmup {params.warmup} "
         "--steps {params.steps} --trace-steps {params.trace_steps} --trace-dir {params.traces} "
         "--timeline-out {output.timeline} 2> {log}; "
@@ -127,9 +127,8 @@ rule ddp_benchmark:
 
 rule sharding_benchmark:
     input:
-        code("experiments/sharding_benchmark.py", "sharded_optimizer.py", "accounting.py", "ddp.py")
-        + DIST_CODE
-        + MODEL_CODE,
+        code("experiments/sharding_benchmark.py", "sharded_optimizer.py", "accounting.py", "ddp.py", *MODEL_CODE)
+        + DIST_CODE,
     output:
         csv=report(SHARDING_CSV, caption="report/sharding.rst", category="Results",
                    subcategory="3 Optimizer state sharding"),
@@ -137,7 +136,7 @@ rule sharding_benchmark:
     params:
         nproc=SHARDING["world_size"],
         backend=DIST_BACKEND,
-        model=model_flags(SHARDING["size"]),
+        size=SHARDING["size"],
         batch_size=SHARDING["batch_size"],
         context_length=SHARDING["context_length"],
         warmup=SHARDING["warmup"],
@@ -156,13 +155,13 @@ rule sharding_benchmark:
     shell:
         "pin_gpus {params.gpus}; "
         "python -m cs336_systems.launch --nproc {params.nproc} --backend {params.backend} --out {output.csv} -- "
-        "cs336_systems.experiments.sharding_benchmark {params.model} --batch-size {params.batch_size} "
+        "cs336_systems.experiments.sharding_benchmark --size {params.size} --batch-size {params.batch_size} "
         "--context-length {params.context_length} --warmup {params.warmup} --steps {params.steps} 2> {log}"
 
 
 rule communication_accounting:
     input:
-        code("experiments/communication_accounting.py", "accounting.py", "provenance.py"),
+        code("experiments/communication_accounting.py", "accounting.py"),
     output:
         csv=report(f"{RESULTS}/communication_accounting/xxl.csv", caption="report/communication_accounting.rst",
                    category="Results", subcategory="2.4 Communication accounting"),
@@ -176,9 +175,7 @@ rule communication_accounting:
         mesh="--x {X} --y {Y} --m-x {M_X} --m-y {M_Y}".format(**ACCOUNTING["mesh"]),
     threads: NEEDS["light"].threads
     resources:
-        gpu=0,
-        mem_mb=NEEDS["light"].mem_mb,
-        runtime=NEEDS["light"].runtime,
+        **job("light", gpu=0),
     log:
         f"{RESULTS}/logs/communication_accounting/xxl.log",
     conda:

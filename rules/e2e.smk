@@ -1,17 +1,15 @@
 # §1.1.3 end-to-end benchmark: (b) every size x context x mode, (c) the warm-up study.
 E2E = R["e2e"]
-MODEL_CODE = code("model.py", "workload.py", "benchmarking.py", "provenance.py")
 
 
 rule e2e_benchmark:
     input:
-        code("experiments/e2e_benchmark.py") + MODEL_CODE,
+        code("experiments/e2e_benchmark.py", *MODEL_CODE),
     output:
         csv=report(f"{RESULTS}/e2e/{{size}}.csv", caption="report/e2e.rst", category="Results",
                    subcategory="1.1.3 End-to-end"),
         json=f"{RESULTS}/e2e/{{size}}.json",
     params:
-        model=lambda w: model_flags(w.size),
         contexts=listed(E2E["context_lengths"]),
         batch_size=E2E["batch_size"],
         warmup=E2E["warmup"],
@@ -20,29 +18,26 @@ rule e2e_benchmark:
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/e2e/{w.size}.csv"),
     threads: NEEDS["model"].threads
     resources:
-        gpu=GPU_JOB,
-        mem_mb=NEEDS["model"].mem_mb,
-        runtime=NEEDS["model"].runtime,
+        **job("model", gpu=GPU_JOB),
     log:
         f"{RESULTS}/logs/e2e/{{size}}.log",
     conda:
         ENV
     shell:
         "pin_gpus {resources.gpu}; "
-        "python -m cs336_systems.experiments.e2e_benchmark {params.model} --batch-size {params.batch_size} "
+        "python -m cs336_systems.experiments.e2e_benchmark --size {wildcards.size} --batch-size {params.batch_size} "
         "--context-lengths {params.contexts} --warmup {params.warmup} --steps {params.steps} "
         "--device {params.device} --out {output.csv} 2> {log}"
 
 
 rule e2e_warmup_study:
     input:
-        code("experiments/e2e_benchmark.py") + MODEL_CODE,
+        code("experiments/e2e_benchmark.py", *MODEL_CODE),
     output:
         csv=report(f"{RESULTS}/e2e_warmup/{{size}}_w{{warmup}}.csv", caption="report/e2e_warmup.rst",
                    category="Results", subcategory="1.1.3 End-to-end"),
         json=f"{RESULTS}/e2e_warmup/{{size}}_w{{warmup}}.json",
     params:
-        model=lambda w: model_flags(w.size),
         batch_size=E2E["batch_size"],
         context_length=E2E["warmup_study"]["context_length"],
         steps=E2E["warmup_study"]["steps"],
@@ -50,16 +45,14 @@ rule e2e_warmup_study:
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/e2e_warmup/{w.size}_w{w.warmup}.csv"),
     threads: NEEDS["model"].threads
     resources:
-        gpu=GPU_JOB,
-        mem_mb=NEEDS["model"].mem_mb,
-        runtime=NEEDS["model"].runtime,
+        **job("model", gpu=GPU_JOB),
     log:
         f"{RESULTS}/logs/e2e_warmup/{{size}}_w{{warmup}}.log",
     conda:
         ENV
     shell:
         "pin_gpus {resources.gpu}; "
-        "python -m cs336_systems.experiments.e2e_benchmark {params.model} --batch-size {params.batch_size} "
+        "python -m cs336_systems.experiments.e2e_benchmark --size {wildcards.size} --batch-size {params.batch_size} "
         "--context-lengths {params.context_length} --modes forward forward_backward --warmup {wildcards.warmup} "
         "--steps {params.steps} --device {params.device} --out {output.csv} 2> {log}"
 

@@ -1,11 +1,11 @@
 # §1.3.2–1.3.4 FlashAttention-2: the benchmark grid (ours vs naive PyTorch vs SDPA) and the leaderboard timing.
 FLASH, BOARD = R["flash"], R["leaderboard"]
-FLASH_CODE = code("flash_attention.py", "flash_triton.py", "benchmarking.py", "provenance.py")
+FLASH_CODE = code("flash_attention.py", "flash_triton.py")
 
 
 rule flash_benchmark:
     input:
-        code("experiments/flash_benchmark.py", "model.py") + FLASH_CODE,
+        code("experiments/flash_benchmark.py") + FLASH_CODE,
     output:
         csv=report(f"{RESULTS}/flash/benchmark_{{dtype}}_d{{d_head}}.csv", caption="report/flash.rst",
                    category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),
@@ -17,9 +17,7 @@ rule flash_benchmark:
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/flash/benchmark_{w.dtype}_d{w.d_head}.csv"),
     threads: NEEDS["model"].threads
     resources:
-        gpu=GPU_JOB,
-        mem_mb=NEEDS["model"].mem_mb,
-        runtime=NEEDS["model"].runtime,
+        **job("model", gpu=GPU_JOB),
     log:
         f"{RESULTS}/logs/flash/benchmark_{{dtype}}_d{{d_head}}.log",
     conda:
@@ -47,9 +45,7 @@ rule flash_leaderboard:
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/leaderboard/leaderboard.csv"),
     threads: NEEDS["model"].threads
     resources:
-        gpu=GPU_JOB,
-        mem_mb=NEEDS["model"].mem_mb,
-        runtime=NEEDS["model"].runtime,
+        **job("model", gpu=GPU_JOB),
     log:
         f"{RESULTS}/logs/leaderboard.log",
     conda:

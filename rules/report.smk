@@ -21,9 +21,7 @@ rule writeup:
         run=RUN,
     threads: NEEDS["light"].threads
     resources:
-        gpu=0,
-        mem_mb=NEEDS["light"].mem_mb,
-        runtime=NEEDS["light"].runtime,
+        **job("light", gpu=0),
     log:
         f"{RESULTS}/logs/writeup.log",
     conda:

@@ -6,17 +6,16 @@ MIXED = R["mixed_precision"]
 MEMORY = R["memory"]
 ATTENTION_GRID = R["attention"]
 COMPILE = R["compile"]
-NAIVE_ATTENTION_CODE = code("experiments/attention_benchmark.py", "model.py", "attention_memory.py", "benchmarking.py",
-                      "provenance.py")
+NAIVE_ATTENTION_CODE = code("experiments/attention_benchmark.py", "attention_memory.py")
 # The e2e CLI as §1.1.5 (c) and §1.3.1 (b) run it: two variants of one size in the same job.
-E2E_PAIR = ("python -m cs336_systems.experiments.e2e_benchmark {params.model} --batch-size {params.batch_size} "
-            "--context-lengths {params.contexts} --warmup {params.warmup} --steps {params.steps} "
-            "--device {params.device}")
+E2E_PAIR = ("python -m cs336_systems.experiments.e2e_benchmark --size {wildcards.size} "
+            "--batch-size {params.batch_size} --context-lengths {params.contexts} --warmup {params.warmup} "
+            "--steps {params.steps} --device {params.device}")
 
 
 rule profile_model:
     input:
-        code("experiments/profile_model.py") + MODEL_CODE,
+        code("experiments/profile_model.py", *MODEL_CODE),
     output:
         csv=report(f"{RESULTS}/profile/{{size}}.csv", caption="report/profile.rst", category="Results",
                    subcategory="1.1.4 Profiling"),
@@ -24,7 +23,6 @@ rule profile_model:
         # Chrome traces (and the nsys report where nsys exists); large, ignored by git.
         traces=directory(f"{RESULTS}/traces/{{size}}"),
     params:
-        model=lambda w: model_flags(w.size),
         contexts=listed(PROFILE["context_lengths"]),
         batch_size=E2E["batch_size"],
         warmup=PROFILE["warmup"],
@@ -33,16 +31,14 @@ rule profile_model:
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/profile/{w.size}.csv"),
     threads: NEEDS["heavy"].threads
     resources:
-        gpu=GPU_JOB,
-        mem_mb=NEEDS["heavy"].mem_mb,
-        runtime=NEEDS["heavy"].runtime,
+        **job("heavy", gpu=GPU_JOB),
     log:
         f"{RESULTS}/logs/profile/{{size}}.log",
     conda:
         ENV
     shell:
         "pin_gpus {resources.gpu}; "
-        "python -m cs336_systems.experiments.profile_model {params.model} --batch-size {params.batch_size} "
+        "python -m cs336_systems.experiments.profile_model --size {wildcards.size} --batch-size {params.batch_size} "
         "--context-lengths {params.contexts} --warmup {params.warmup} --steps {params.steps} "
         "--device {params.device} --nsys --trace-dir {output.traces} --out {output.csv} 2> {log}"
 
@@ -50,16 +46,14 @@ rule profile_model:
 # A CPU-only toy (float accumulation), whatever the run's device.
 rule mixed_precision_accumulation:
     input:
-        code("experiments/mixed_precision.py", "toy_model.py", "benchmarking.py", "provenance.py"),
+        code("experiments/mixed_precision.py", "toy_model.py"),
     output:
         csv=report(f"{RESULTS}/mixed_precision/accumulation.csv", caption="report/mixed_precision.rst",
                    category="Results", subcategory="1.1.5 Mixed precision"),
         json=f"{RESULTS}/mixed_precision/accumulation.json",
     threads: NEEDS["light"].threads
     resources:
-        gpu=0,
-        mem_mb=NEEDS["light"].mem_mb,
-        runtime=NEEDS["light"].runtime,
+        **job("light", gpu=0),
     log:
         f"{RESULTS}/logs/mixed_precision/accumulation.log",
     conda:
@@ -70,7 +64,7 @@ rule mixed_precision_accumulation:
 
 rule mixed_precision_autocast_dtypes:
     input:
-        code("experiments/mixed_precision.py", "toy_model.py", "benchmarking.py", "provenance.py"),
+        code("experiments/mixed_precision.py", "toy_model.py"),
     output:
         csv=report(f"{RESULTS}/mixed_precision/autocast_dtypes.csv", caption="report/mixed_precision.rst",
                    category="Results", subcategory="1.1.5 Mixed precision"),
@@ -80,9 +74,7 @@ rule mixed_precision_autocast_dtypes:
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/mixed_precision/autocast_dtypes.csv"),
     threads: NEEDS["model"].threads
     resources:
-        gpu=GPU_JOB,
-        mem_mb=NEEDS["model"].mem_mb,
-        runtime=NEEDS["model"].runtime,
+        **job("model", gpu=GPU_JOB),
     log:
         f"{RESULTS}/logs/mixed_precision/autocast_dtypes.log",
     conda:
@@ -96,7 +88,7 @@ rule mixed_precision_autocast_dtypes:
 # §1.1.5 (c): fp32 and bf16 autocast of one size in the same job, so both run on the same machine and state.
 rule mixed_precision_e2e:
     input:
-        code("experiments/e2e_benchmark.py") + MODEL_CODE,
+        code("experiments/e2e_benchmark.py", *MODEL_CODE),
     output:
         fp32=report(f"{RESULTS}/mixed_precision_e2e/{{size}}_fp32.csv", caption="report/mixed_precision.rst",
                     category="Results", subcategory="1.1.5 Mixed precision"),
@@ -105,7 +97,6 @@ rule mixed_precision_e2e:
                     category="Results", subcategory="1.1.5 Mixed precision"),
         bf16_json=f"{RESULTS}/mixed_precision_e2e/{{size}}_bf16.json",
     params:
-        model=lambda w: model_flags(w.size),
         contexts=listed(MIXED["context_lengths"]),
         batch_size=E2E["batch_size"],
         warmup=E2E["warmup"],
@@ -114,9 +105,7 @@ rule mixed_precision_e2e:
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/mixed_precision_e2e/{w.size}_bf16.csv"),
     threads: NEEDS["model"].threads
     resources:
-        gpu=GPU_JOB,
-        mem_mb=NEEDS["model"].mem_mb,
-        runtime=NEEDS["model"].runtime,
+        **job("model", gpu=GPU_JOB),
     log:
         f"{RESULTS}/logs/mixed_precision_e2e/{{size}}.log",
     conda:
@@ -129,7 +118,7 @@ rule mixed_precision_e2e:
 
 rule memory_profile:
     input:
-        code("experiments/memory_profile.py") + MODEL_CODE,
+        code("experiments/memory_profile.py", *MODEL_CODE),
     output:
         peaks=report(f"{RESULTS}/memory/peaks.csv", caption="report/memory.rst", category="Results",
                      subcategory="1.1.6 Memory profiling"),
@@ -140,23 +129,21 @@ rule memory_profile:
         # Snapshot pickles (large, ignored by git) and their timeline PNGs, which the writeup copies.
         snapshots=directory(f"{RESULTS}/memory_snapshots"),
     params:
-        model=model_flags(MEMORY["size"]),
+        size=MEMORY["size"],
         contexts=listed(MEMORY["context_lengths"]),
         batch_size=E2E["batch_size"],
         device=R["device"],
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/memory/peaks.csv"),
     threads: NEEDS["heavy"].threads
     resources:
-        gpu=GPU_JOB,
-        mem_mb=NEEDS["heavy"].mem_mb,
-        runtime=NEEDS["heavy"].runtime,
+        **job("heavy", gpu=GPU_JOB),
     log:
         f"{RESULTS}/logs/memory/{MEMORY['size']}.log",
     conda:
         ENV
     shell:
         "pin_gpus {resources.gpu}; "
-        "python -m cs336_systems.experiments.memory_profile {params.model} --batch-size {params.batch_size} "
+        "python -m cs336_systems.experiments.memory_profile --size {params.size} --batch-size {params.batch_size} "
         "--context-lengths {params.contexts} --modes forward train_step --autocast none bf16 "
         "--device {params.device} --snapshot-dir {output.snapshots} --allocations-out {output.allocations} "
         "--out {output.peaks} 2> {log}"
@@ -180,9 +167,7 @@ rule attention_benchmark:
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/attention/naive.csv"),
     threads: NEEDS["heavy"].threads
     resources:
-        gpu=GPU_JOB,
-        mem_mb=NEEDS["heavy"].mem_mb,
-        runtime=NEEDS["heavy"].runtime,
+        **job("heavy", gpu=GPU_JOB),
     log:
         f"{RESULTS}/logs/attention/naive.log",
     conda:
@@ -199,7 +184,7 @@ rule attention_benchmark:
 # takes minutes, so each cell is its own job and a run cut short keeps the cells it finished.
 rule compile_e2e:
     input:
-        code("experiments/e2e_benchmark.py") + MODEL_CODE,
+        code("experiments/e2e_benchmark.py", *MODEL_CODE),
     output:
         eager=report(f"{RESULTS}/compile/{{size}}_{{context}}_eager.csv", caption="report/compile.rst",
                      category="Results", subcategory="1.3.1 torch.compile"),
@@ -208,7 +193,6 @@ rule compile_e2e:
                         category="Results", subcategory="1.3.1 torch.compile"),
         compiled_json=f"{RESULTS}/compile/{{size}}_{{context}}_compiled.json",
     params:
-        model=lambda w: model_flags(w.size),
         contexts=lambda w: w.context,
         batch_size=E2E["batch_size"],
         warmup=E2E["warmup"],
@@ -217,9 +201,7 @@ rule compile_e2e:
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/compile/{w.size}_{w.context}_compiled.csv"),
     threads: NEEDS["heavy"].threads
     resources:
-        gpu=GPU_JOB,
-        mem_mb=NEEDS["heavy"].mem_mb,
-        runtime=NEEDS["heavy"].runtime,
+        **job("heavy", gpu=GPU_JOB),
     log:
         f"{RESULTS}/logs/compile/{{size}}_{{context}}.log",
     conda:

@@ -2,13 +2,9 @@
 
 import pytest
 import torch
-import yaml
 
 from cs336_systems.model import ModelConfig, RotaryEmbedding, TransformerLM
-
-from .conftest import REPO
-
-SIZES = yaml.safe_load((REPO / "config.yaml").read_text())["model_sizes"]
+from cs336_systems.sizes import MODEL_SIZES as SIZES
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -28,7 +24,7 @@ def tiny(**overrides) -> ModelConfig:
 @pytest.mark.parametrize("size", sorted(SIZES))
 def test_parameter_count_matches_formula(size):
     dims = SIZES[size]
-    cfg = ModelConfig(vocab_size=10_000, context_length=128, **dims)
+    cfg = ModelConfig.from_name(size, context_length=128)
     with torch.device("meta"):  # no memory for the 2.7B model
         model = TransformerLM(cfg)
     counted = sum(p.numel() for p in model.parameters())
@@ -112,3 +108,8 @@ def test_sequence_longer_than_context_is_rejected():
     model = TransformerLM(tiny(context_length=8))
     with pytest.raises(ValueError, match="exceeds context_length 8"):
         model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_an_unknown_size_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown model size 'huge'; known: tiny, small"):
+        ModelConfig.from_name("huge")

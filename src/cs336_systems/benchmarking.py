@@ -18,18 +18,30 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(fn: Callable[[], object], warmup: int, steps: int, device: torch.device | str) -> list[float]:
-    """Run `fn` `warmup` times untimed, then `steps` times, synchronising after each; return seconds per step."""
+def time_phases(
+    phases: dict[str, Callable[[], object]], warmup: int, steps: int, device: torch.device | str
+) -> list[dict[str, float]]:
+    """Run a step made of `phases` (in order) `warmup` times untimed, then `steps` times, synchronising after
+    each phase; return per timed step the seconds of each phase."""
     for _ in range(warmup):
-        fn()
+        for phase in phases.values():
+            phase()
         sync(device)
     times = []
     for _ in range(steps):
-        start = timeit.default_timer()
-        fn()
-        sync(device)
-        times.append(timeit.default_timer() - start)
+        step = {}
+        for name, phase in phases.items():
+            start = timeit.default_timer()
+            phase()
+            sync(device)
+            step[name] = timeit.default_timer() - start
+        times.append(step)
     return times
+
+
+def time_steps(fn: Callable[[], object], warmup: int, steps: int, device: torch.device | str) -> list[float]:
+    """Run `fn` `warmup` times untimed, then `steps` times, synchronising after each; return seconds per step."""
+    return [step["step"] for step in time_phases({"step": fn}, warmup, steps, device)]
 
 
 def summarize(times_s: list[float]) -> dict[str, float]:
@@ -73,13 +85,13 @@ def free_memory() -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA when present; an unknown device, or `cuda` without a GPU, is an error naming the flag."""
+    """`auto` picks CUDA when present; an unknown device, or `cuda` without a GPU, is a ValueError."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise SystemExit(f"--device {name}: not a device (auto, cpu, cuda or cuda:N)") from None
+        raise ValueError(f"{name!r} is not a device (auto, cpu, cuda or cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name}: CUDA is not available on this machine")
+        raise ValueError(f"{name!r}: CUDA is not available on this machine")
     return device

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from cs336_systems.sizes import MODEL_SIZES
+
 # Attention takes q, k, v of shape (batch, heads, seq, d_head) and returns the same shape.
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -42,6 +44,13 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: d_head={self.d_model // self.num_heads} must be even for RoPE")
         if self.attention not in ATTENTION:
             raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {sorted(ATTENTION)}")
+
+    @classmethod
+    def from_name(cls, size: str, **fields) -> ModelConfig:
+        """The model of a named size (sizes.MODEL_SIZES) with `fields` (context_length, attention, ...) set."""
+        if size not in MODEL_SIZES:
+            raise ValueError(f"unknown model size {size!r}; known: {', '.join(MODEL_SIZES)}")
+        return cls(**MODEL_SIZES[size], **fields)
 
     def num_parameters(self) -> int:
         """Closed-form parameter count: embeddings + head, 4d^2 attention + 3 d d_ff SwiGLU + 2 norms per layer."""

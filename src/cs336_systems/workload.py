@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from collections.abc import Callable
 
@@ -10,44 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from cs336_systems.model import ATTENTION, ModelConfig, TransformerLM
+from cs336_systems.model import ModelConfig, TransformerLM
 
 MODES = ("forward", "forward_backward", "train_step")
 AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """The flags that define a model and its batch; shared by every experiment that runs the Transformer."""
-    g = parser.add_argument_group("model")
-    g.add_argument("--size", default="custom", help="label of the model size (for the results table)")
-    g.add_argument("--d-model", type=int, required=True)
-    g.add_argument("--d-ff", type=int, required=True)
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--num-heads", type=int, required=True)
-    g.add_argument("--vocab-size", type=int, default=10_000)
-    g.add_argument("--batch-size", type=int, default=4)
-    g.add_argument("--attention", choices=sorted(ATTENTION), default="naive")
-
-
-def check_model_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject model flags that define no model (e.g. --d-model not divisible by --num-heads) at parse time,
-    before any work starts, with ModelConfig's own message."""
-    try:
-        model_config(args, context_length=1)
-    except ValueError as error:
-        parser.error(f"the model flags define no model: {error}")
-
-
-def model_config(args: argparse.Namespace, context_length: int) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=args.vocab_size,
-        context_length=context_length,
-        d_model=args.d_model,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        d_ff=args.d_ff,
-        attention=args.attention,
-    )
 
 
 def random_batch(
@@ -62,45 +27,70 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None) -> context
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def make_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    batch: tuple[torch.Tensor, torch.Tensor],
-    mode: str,
-    autocast_dtype: torch.dtype | None = None,
-) -> Callable[[], None]:
-    """One step of `mode`. `forward` is inference (no autograd graph); `train_step` needs an optimizer."""
-    if mode not in MODES:
-        raise ValueError(f"mode {mode!r}; choose one of {MODES}")
-    if mode == "train_step" and optimizer is None:
-        raise ValueError("mode 'train_step' needs an optimizer")
-    inputs, targets = batch
-    device = inputs.device
+class TrainingStep:
+    """The one training step of every experiment, phase by phase:
 
-    def loss() -> torch.Tensor:
-        with record_function("forward"), autocast_context(device, autocast_dtype):
-            logits = model(inputs)
+        zero_grad -> forward (loss) -> backward -> sync_gradients() -> optimizer.step()
+
+    What differs between experiments is passed in, never copied: the model (wrapped for data parallelism or
+    not, its attention set in its config), the optimizer (AdamW, sharded, ZeRO), `sync_gradients` (a DDP
+    wrapper's finish_gradient_synchronization) and the autocast dtype. Each phase is a method, so an experiment
+    can time or measure between phases; `mode()` gives the three steps that the benchmarks time."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        autocast_dtype: torch.dtype | None = None,
+        sync_gradients: Callable[[], None] | None = None,
+    ) -> None:
+        self.model, self.optimizer, self.batch = model, optimizer, batch
+        self.autocast_dtype = autocast_dtype
+        self.sync_gradients = sync_gradients or (lambda: None)
+
+    def loss(self) -> torch.Tensor:
+        inputs, targets = self.batch
+        with record_function("forward"), autocast_context(inputs.device, self.autocast_dtype):
+            logits = self.model(inputs)
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-    def forward() -> None:
+    def forward(self) -> None:
+        """Inference: the loss without an autograd graph."""
         with torch.no_grad():
-            loss()
+            self.loss()
 
-    def forward_backward() -> None:
-        value = loss()
+    def gradients(self) -> None:
+        """zero_grad, forward and backward: this step's gradients, not yet synchronised."""
+        self.optimizer.zero_grad(set_to_none=True)
+        value = self.loss()
         with record_function("backward"):
             value.backward()
-        model.zero_grad(set_to_none=True)
 
-    def train_step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        value = loss()
-        with record_function("backward"):
-            value.backward()
+    def optimizer_step(self) -> None:
         with record_function("optimizer_step"):
-            optimizer.step()
+            self.optimizer.step()
 
-    return {"forward": forward, "forward_backward": forward_backward, "train_step": train_step}[mode]
+    def train_step(self) -> None:
+        self.gradients()
+        self.sync_gradients()
+        self.optimizer_step()
+
+    def forward_backward(self) -> None:
+        """Forward and backward without an optimizer; the gradients are freed at the end, as a step would."""
+        value = self.loss()
+        with record_function("backward"):
+            value.backward()
+        self.model.zero_grad(set_to_none=True)
+
+    def mode(self, mode: str) -> Callable[[], None]:
+        """The step that a benchmark times as `mode` (MODES). `forward` is inference; `train_step` needs an
+        optimizer."""
+        if mode not in MODES:
+            raise ValueError(f"mode {mode!r}; choose one of {MODES}")
+        if mode == "train_step" and self.optimizer is None:
+            raise ValueError("mode 'train_step' needs an optimizer")
+        return getattr(self, mode)
 
 
 def build(

@@ -13,31 +13,22 @@ import sys
 
 import torch
 
-from cs336_systems import workload
+from cs336_systems import cli, workload
 from cs336_systems.benchmarking import free_memory, is_oom, resolve_device, time_steps
 from cs336_systems.provenance import write_rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    workload.add_model_args(p)
-    p.add_argument("--context-lengths", type=int, nargs="+", required=True)
+    p = cli.parser(__doc__)
+    cli.add_model_args(p)
+    cli.add_device(p)
+    p.add_argument("--context-lengths", type=cli.positive_int, nargs="+", required=True)
     p.add_argument("--modes", nargs="+", choices=workload.MODES, default=list(workload.MODES))
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps before measuring")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="untimed steps before measuring")
+    p.add_argument("--steps", type=cli.positive_int, default=10, help="timed steps")
     p.add_argument("--autocast", choices=sorted(workload.AUTOCAST), default="none")
     p.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
-    args = p.parse_args(argv)
-    for flag in ("warmup", "steps", "batch_size"):
-        if getattr(args, flag) < (1 if flag != "warmup" else 0):
-            p.error(f"--{flag.replace('_', '-')} must be {'>= 0' if flag == 'warmup' else '>= 1'}")
-    if any(c < 1 for c in args.context_lengths):
-        p.error("--context-lengths must be positive")
-    workload.check_model_args(p, args)
-    return args
+    return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -45,7 +36,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     autocast_dtype = workload.AUTOCAST[args.autocast]
     rows = []
     for context_length in args.context_lengths:
-        cfg = workload.model_config(args, context_length)
+        cfg = cli.model_config(args, context_length)
         for mode in args.modes:
             base = {
                 "size": args.size,
@@ -62,7 +53,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             try:
                 model, optimizer = workload.build(cfg, device, compile=args.compile)
                 batch = workload.random_batch(cfg, args.batch_size, device)
-                step = workload.make_step(model, optimizer, batch, mode, autocast_dtype)
+                step = workload.TrainingStep(model, optimizer, batch, autocast_dtype).mode(mode)
                 # With no warm-up, the first step is the first timed one (the warm-up study wants exactly that).
                 first_ms = time_steps(step, 0, 1, device)[0] * 1e3 if args.warmup else None
                 times = time_steps(step, max(args.warmup - 1, 0), args.steps, device)

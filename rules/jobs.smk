@@ -1,0 +1,30 @@
+# What every job's command shares: strict bash with GPU pinning, the software environment, the code a rule runs
+# (its inputs), list flags, and the writeup's inputs that each rules/*.smk appends to.
+import shlex
+
+# The software of every job, for `--sdm conda` (relative to the rules/*.smk that names it).
+ENV = "envs/pipeline.yaml"
+# Bash strict mode (Snakemake's default prefix) plus pin_gpus, which gives each GPU job GPUs of its own.
+PIN_GPUS = shlex.quote(str(Path(workflow.basedir, "rules", "pin_gpus.sh")))
+shell.prefix(f"set -euo pipefail; source {PIN_GPUS}; ")
+
+
+# What every experiment CLI imports (cs336_systems.cli and what it builds on).
+CLI_CODE = ("cli.py", "sizes.py", "model.py", "benchmarking.py", "provenance.py")
+# The Transformer workload: the model, its batch and its training step.
+MODEL_CODE = ("workload.py",)
+
+
+def code(*modules, view_only=VIEW_ONLY):
+    """Source files a rule runs, as inputs, so that editing them makes the rule's results stale (except
+    view-only, above): `modules` and CLI_CODE."""
+    paths = [f"src/cs336_systems/{m}" for m in dict.fromkeys([*modules, *CLI_CODE])]
+    return [ancient(path) for path in paths] if view_only else paths
+
+
+def listed(values):
+    return " ".join(str(v) for v in values)
+
+
+# Each rules/*.smk appends the final outputs of its deliverables; the writeup depends on all of them.
+WRITEUP_INPUTS = []

@@ -1,0 +1,63 @@
+"""What every experiment CLI shares: a parser with `--out`, argument types that reject a bad value by its flag
+before any work starts, and the model flags (a size by name, the batch, the attention)."""
+
+from __future__ import annotations
+
+import argparse
+
+from cs336_systems.benchmarking import resolve_device
+from cs336_systems.model import ATTENTION, ModelConfig
+from cs336_systems.sizes import MODEL_SIZES
+
+
+def parser(doc: str | None, seed: bool = True) -> argparse.ArgumentParser:
+    """An experiment's parser: its module docstring as help, `--out` and (for runs with randomness) `--seed`."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
+    if seed:
+        p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _number(kind: type, lowest: float, inclusive: bool, words: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value < lowest or (value == lowest and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
+        return value
+
+    parse.__name__ = words  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _number(int, 1, True, ">= 1")
+nonnegative_int = _number(int, 0, True, ">= 0")
+positive_float = _number(float, 0.0, False, "> 0")
+
+
+def device(name: str) -> str:
+    """`--device`: checked at parse time (an unknown device, or CUDA without a GPU, is an error), kept as given."""
+    try:
+        resolve_device(name)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return name
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=device, default="auto", help="auto (CUDA where present), cpu, cuda or cuda:N")
+
+
+def add_model_args(p: argparse.ArgumentParser, batch_size: int = 4) -> None:
+    """The flags that define a model and its batch; shared by every experiment that runs the Transformer."""
+    g = p.add_argument_group("model")
+    g.add_argument("--size", choices=list(MODEL_SIZES), required=True, help="model size (cs336_systems.sizes)")
+    g.add_argument("--batch-size", type=positive_int, default=batch_size, help="sequences per batch (per rank)")
+    g.add_argument("--attention", choices=sorted(ATTENTION), default="naive")
+
+
+def model_config(args: argparse.Namespace, context_length: int) -> ModelConfig:
+    return ModelConfig.from_name(args.size, context_length=context_length, attention=args.attention)
