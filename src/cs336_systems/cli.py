@@ -61,3 +61,12 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 4) -> None:
 
 def model_config(args: argparse.Namespace, context_length: int) -> ModelConfig:
     return ModelConfig.from_name(args.size, context_length=context_length, attention=args.attention)
+
+
+def params(args: argparse.Namespace) -> dict:
+    """The parameters recorded beside the results: the flags, plus the dimensions of the named size, so a result
+    still says which model ran if the size table changes (and the report reads them from there)."""
+    recorded = dict(vars(args))
+    if getattr(args, "size", None) in MODEL_SIZES:
+        recorded.update(MODEL_SIZES[args.size], vocab_size=ModelConfig.vocab_size)
+    return recorded

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    write_rows(run(args), args.out, vars(args))
+    write_rows(run(args), args.out, cli.params(args))
 
 
 if __name__ == "__main__":
