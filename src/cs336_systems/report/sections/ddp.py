@@ -9,8 +9,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from cs336_systems.report.context import Context, not_measured, not_run, provenance_line, skipped_reason
-from cs336_systems.report.sections.allreduce import count, fit_all, num, text_md
+from cs336_systems.report.analysis import allreduce_fits, concurrency, step_stats
+from cs336_systems.report.context import Context
+from cs336_systems.report.formatting import count, num, provenance_line, text_md
 
 ORDER = ["naive", "flat", "overlap", "bucketed", "torch_ddp", "single"]
 LABEL = {
@@ -35,14 +36,12 @@ def render(ctx: Context) -> str:
 
 
 def check(ctx: Context) -> str:
-    found = ctx.table("naive_ddp")
-    if found is None:
-        return "### Correctness (naive_ddp)\n\n" + not_run("The DDP correctness check")
+    heading = "### Correctness (naive_ddp)"
+    found = ctx.table_or_reason("naive_ddp", "The DDP correctness check")
+    if isinstance(found, str):
+        return f"{heading}\n\n{found}"
     frame, metas = found
-    out = ["### Correctness (naive_ddp)", "", provenance_line(metas)]
-    reason = skipped_reason(frame)
-    if reason:
-        return "\n".join([*out, not_measured(reason)])
+    out = [heading, "", provenance_line(metas)]
     first = frame.iloc[0]
     out += [
         f"The toy model (fc1 → ReLU → LayerNorm → fc2) on {first['world_size']} ranks ({first['backend']}): every "
@@ -81,15 +80,12 @@ def check(ctx: Context) -> str:
 
 
 def benchmark(ctx: Context) -> str:
-    found = ctx.table("ddp")
     heading = "### Training-step benchmark (naive_ddp_benchmarking, minimal_ddp_flat_benchmarking, …)"
-    if found is None:
-        return heading + "\n\n" + not_run("The DDP benchmark")
+    found = ctx.table_or_reason("ddp", "The DDP benchmark")
+    if isinstance(found, str):
+        return f"{heading}\n\n{found}\n\n{bucket_model_text()}"
     frame, metas = found
     out = [heading, "", provenance_line(metas)]
-    reason = skipped_reason(frame)
-    if reason:
-        return "\n".join([*out, not_measured(reason), "", bucket_model_text()])
     stats = cell_stats(frame)
     ok = stats[~stats["oom"]]
     first = frame[frame["status"] == "ok"].iloc[0]
@@ -130,22 +126,18 @@ def benchmark(ctx: Context) -> str:
 
 
 def cell_stats(frame: pd.DataFrame) -> pd.DataFrame:
-    """Median, min and max of step and communication time per (variant, bucket size); OOM cells flagged."""
+    """Median, min and max of step time and median communication time per (variant, bucket size); OOM cells
+    flagged."""
     frame = frame.assign(bucket_size_mb=frame["bucket_size_mb"].fillna(0.0))
-    ok = frame[frame["status"] == "ok"]
-    stats = ok.groupby(CELL).agg(
-        median_ms=("step_ms", "median"),
-        min_ms=("step_ms", "min"),
-        max_ms=("step_ms", "max"),
+    ok = frame[frame["status"] == "ok"].assign(comm_share=lambda f: f["comm_ms"] / f["step_ms"])
+    extra = ok.groupby(CELL).agg(
         comm_ms=("comm_ms", "median"),
-        comm_share=("comm_ms", lambda c: (c / ok.loc[c.index, "step_ms"]).median()),
+        comm_share=("comm_share", "median"),
         buckets=("num_buckets", "first"),
         num_tensors=("num_tensors", "first"),
-        steps=("step_ms", "size"),
     )
-    stats = stats.reset_index().assign(oom=False)
-    oom = frame[frame["status"] == "OOM"][CELL].drop_duplicates().assign(oom=True)
-    stats = pd.concat([stats, oom], ignore_index=True)
+    stats = step_stats(frame, CELL, "step_ms").join(extra, on=CELL)
+    stats["oom"] = stats["oom"].eq(True)
     stats["order"] = stats["variant"].map(ORDER.index)
     return stats.sort_values(["order", "bucket_size_mb"]).reset_index(drop=True)
 
@@ -303,13 +295,10 @@ def timeline_section(ctx: Context, ok: pd.DataFrame, on_gpu: bool) -> str:
         "### Overlap of computation and communication (ddp_overlap_individual_parameters_benchmarking b)",
         "",
     ]
-    found = ctx.table("ddp_timeline")
-    if found is None:
-        return "\n".join([*out, not_run("The profiler timeline")])
+    found = ctx.table_or_reason("ddp_timeline", "The profiler timeline")
+    if isinstance(found, str):
+        return "\n".join([*out, found])
     frame, _ = found
-    reason = skipped_reason(frame)
-    if reason:
-        return "\n".join([*out, not_measured(reason)])
     frame = frame[frame["status"] == "ok"].assign(bucket_size_mb=frame["bucket_size_mb"].fillna(0.0))
     ours = ok[ok["variant"] == "bucketed"]
     best_bucket = ours.loc[ours["median_ms"].idxmin(), "bucket_size_mb"] if len(ours) else None
@@ -351,45 +340,15 @@ def timeline_section(ctx: Context, ok: pd.DataFrame, on_gpu: bool) -> str:
     return "\n".join(out)
 
 
-def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def intersection_ms(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
 def overlap_stats(frame: pd.DataFrame, variant: str, bucket_mb: float) -> dict:
     """Communication time (union of its intervals) and the share of it concurrent with computation."""
     rows = frame[(frame["variant"] == variant) & (frame["bucket_size_mb"] == bucket_mb)]
-    comm = union(
-        list(zip(rows[rows["communication"]]["start_ms"], rows[rows["communication"]]["end_ms"], strict=True))
-    )
-    compute = union(
-        list(
-            zip(rows[~rows["communication"]]["start_ms"], rows[~rows["communication"]]["end_ms"], strict=True)
-        )
-    )
-    comm_ms = sum(b - a for a, b in comm)
-    return {
-        "variant": variant,
-        "bucket_size_mb": bucket_mb,
-        "comm_ms": comm_ms,
-        "overlapped": intersection_ms(comm, compute) / comm_ms if comm_ms else 0.0,
+    spans = {
+        is_comm: list(zip(part["start_ms"], part["end_ms"], strict=True))
+        for is_comm, part in ((True, rows[rows["communication"]]), (False, rows[~rows["communication"]]))
     }
+    comm_ms, overlapped = concurrency(spans[True], spans[False])
+    return {"variant": variant, "bucket_size_mb": bucket_mb, "comm_ms": comm_ms, "overlapped": overlapped}
 
 
 def plot_timeline(frame: pd.DataFrame, shown: list[tuple[str, float]]) -> plt.Figure:
@@ -431,7 +390,7 @@ def allreduce_fit(ctx: Context, backend: str, world_size: int) -> pd.Series | No
     if found is None:
         return None
     frame, _ = found
-    fits = fit_all(frame[frame["status"] == "ok"].sort_values("size_mb"))
+    fits = allreduce_fits(frame[frame["status"] == "ok"].sort_values("size_mb"))
     match = fits[(fits["backend"] == backend) & (fits["world_size"] == world_size)]
     return match.iloc[0] if len(match) and match["alpha_s"].iloc[0] > 0 else None
 

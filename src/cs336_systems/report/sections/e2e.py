@@ -5,22 +5,9 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from cs336_systems.report.context import Context, md, model_order, not_run, provenance_line
-
-MODE_LABEL = {
-    "forward": "forward",
-    "forward_backward": "forward+backward",
-    "train_step": "train step (AdamW)",
-}
-
-
-def step_stats(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Mean, std and median of the timed steps per cell; cells that ran out of memory keep an `OOM` marker."""
-    ok = frame[frame["status"] == "ok"]
-    stats = ok.groupby(keys, sort=False)["time_ms"].agg(mean_ms="mean", std_ms="std", median_ms="median")
-    stats = stats.reset_index()
-    oom = frame[frame["status"] == "OOM"][keys].drop_duplicates().assign(oom=True)
-    return pd.concat([stats, oom], ignore_index=True)
+from cs336_systems.report.analysis import step_stats
+from cs336_systems.report.context import Context, model_order
+from cs336_systems.report.formatting import MODE_LABEL, md, provenance_line
 
 
 def cell(row: pd.Series) -> str:
@@ -28,9 +15,9 @@ def cell(row: pd.Series) -> str:
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table("e2e")
-    if found is None:
-        return not_run("The end-to-end benchmark")
+    found = ctx.table_or_reason("e2e", "The end-to-end benchmark")
+    if isinstance(found, str):
+        return found
     frame, metas = found
     order = model_order(metas)
     stats = step_stats(frame, ["size", "context_length", "mode"])
@@ -121,9 +108,9 @@ def plot(stats: pd.DataFrame, order: list[str]) -> plt.Figure:
 
 
 def warmup_study(ctx: Context) -> str:
-    found = ctx.table("e2e_warmup")
-    if found is None:
-        return not_run("The warm-up study")
+    found = ctx.table_or_reason("e2e_warmup", "The warm-up study")
+    if isinstance(found, str):
+        return found
     frame, metas = found
     stats = step_stats(frame, ["size", "context_length", "mode", "warmup"])
     stats = stats[stats["oom"] != True]  # noqa: E712

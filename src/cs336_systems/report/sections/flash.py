@@ -6,7 +6,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from cs336_systems.report.context import Context, md, not_measured, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import Context
+from cs336_systems.report.formatting import md, provenance_line
 
 PASSES = ["forward", "backward", "forward_backward"]
 IMPLS = {"triton": "ours (Triton)", "pytorch_naive": "naive PyTorch", "sdpa": "SDPA"}
@@ -21,19 +22,12 @@ def cell(frame: pd.DataFrame) -> pd.Series:
 
 
 def benchmark(ctx: Context) -> str:
-    found = ctx.table("flash")
-    if found is None:
-        return not_run("The FlashAttention-2 benchmark")
+    heading = "### Benchmark grid (flash_benchmarking)"
+    found = ctx.table_or_reason("flash", "The FlashAttention-2 benchmark")
+    if isinstance(found, str):
+        return f"{heading}\n\n{found}"
     frame, metas = found
-    head = [
-        "### Benchmark grid (flash_benchmarking)",
-        "",
-        provenance_line(metas),
-        "",
-    ]
-    reason = skipped_reason(frame)
-    if reason:
-        return "\n".join(head + [not_measured(reason)])
+    head = [heading, "", provenance_line(metas), ""]
     frame = frame.assign(cell=cell(frame))
     head.append(
         "Batch 1, one head, causal; `triton.testing.do_bench` medians in ms (`OOM` where the implementation ran out "
@@ -143,14 +137,12 @@ def heatmap(frame: pd.DataFrame) -> plt.Figure:
 
 
 def leaderboard(ctx: Context) -> str:
-    found = ctx.table("leaderboard")
-    if found is None:
-        return not_run("The leaderboard timing")
+    heading = "### Leaderboard (spec §1.3.3)"
+    found = ctx.table_or_reason("leaderboard", "The leaderboard timing")
+    if isinstance(found, str):
+        return f"{heading}\n\n{found}"
     frame, metas = found
-    head = ["### Leaderboard (spec §1.3.3)", "", provenance_line(metas), ""]
-    reason = skipped_reason(frame)
-    if reason:
-        return "\n".join(head + [not_measured(reason)])
+    head = [heading, "", provenance_line(metas), ""]
     p = frame.iloc[0]
     shown = frame[["impl", "pass", "ms", "median_ms", "tflops", "status"]]
     head += [

@@ -8,8 +8,8 @@ from typing import Any
 
 import pandas as pd
 
-from cs336_systems.model import ModelConfig
-from cs336_systems.report.context import Context, md, not_measured, not_run, provenance_line, skipped_reason
+from cs336_systems.report.context import Context, num_parameters, skipped_reason
+from cs336_systems.report.formatting import md, not_measured, provenance_line
 
 MIB = 2**20
 MODE_LABEL = {"forward": "forward", "train_step": "train step"}
@@ -17,9 +17,9 @@ PRECISION_LABEL = {"none": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autoca
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table("memory")
-    if found is None:
-        return not_run("Memory profiling")
+    found = ctx.table_or_reason("memory", "Memory profiling")
+    if isinstance(found, str):
+        return found
     frame, metas = found
     params = metas[0]["params"]
     peaks = frame[frame["record"] == "peak"]
@@ -43,18 +43,7 @@ def render(ctx: Context) -> str:
         ]
         return "\n".join(out)
     ok = peaks[peaks["status"] == "ok"]
-    parameter_mib = (
-        ModelConfig(
-            vocab_size=params["vocab_size"],
-            context_length=int(peaks["context_length"].max()),
-            d_model=params["d_model"],
-            num_layers=params["num_layers"],
-            num_heads=params["num_heads"],
-            d_ff=params["d_ff"],
-        ).num_parameters()
-        * 4
-        / MIB
-    )
+    parameter_mib = num_parameters(params) * 4 / MIB
     out += [
         "### (a) Active memory timelines",
         "",
@@ -262,13 +251,10 @@ def tensor_names(params: dict[str, Any], batch: int, context: int, dtype_bytes: 
 
 
 def largest_allocations(ctx: Context, params: dict[str, Any], top: int = 10) -> str:
-    found = ctx.table("memory_allocations")
-    if found is None:
-        return not_run("The largest-allocation list")
+    found = ctx.table_or_reason("memory_allocations", "The largest-allocation list")
+    if isinstance(found, str):
+        return found
     frame, _ = found
-    reason = skipped_reason(frame)
-    if reason:
-        return not_measured(reason)
     fp32 = frame[frame["autocast"] == "none"]
     frame = fp32 if len(fp32) else frame
     context = int(frame["context_length"].max())

@@ -6,28 +6,18 @@ import re
 
 import pandas as pd
 
-from cs336_systems.report.context import (
-    Context,
-    md,
-    model_order,
-    not_measured,
-    not_run,
-    provenance_line,
-    skipped_reason,
-)
-from cs336_systems.report.sections.e2e import MODE_LABEL, step_stats
+from cs336_systems.report.analysis import step_stats
+from cs336_systems.report.context import Context, model_order
+from cs336_systems.report.formatting import MODE_LABEL, md, provenance_line
 
 CELL = ["size", "context_length", "mode"]
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table("profile")
-    if found is None:
-        return not_run("Profiling")
+    found = ctx.table_or_reason("profile", "Profiling")
+    if isinstance(found, str):
+        return found
     frame, metas = found
-    reason = skipped_reason(frame)
-    if reason:
-        return f"{provenance_line(metas)}\n\n{not_measured(reason)}"
     ok = in_model_order(frame[frame["status"] == "ok"], model_order(metas))
     on_cuda = (ok["device"] == "cuda").any()
     unit = "CUDA kernel" if on_cuda else "aten op"
