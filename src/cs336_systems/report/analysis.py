@@ -4,7 +4,7 @@ trends and the tests that decide whether a finding is stated. Pure functions of 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -132,9 +132,22 @@ def phase_times(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def share_removed(cold: float, warm: float, reference: float) -> float:
-    """How much of the extra time `cold` has over `reference` is gone at `warm` (1 = all of it, capped at 1)."""
+    """How much of the extra time `cold` has over `reference` is gone at `warm` (1 = all of it, capped at 1);
+    NaN when `cold` has no extra time."""
     extra = cold - reference
     return min(1.0, (cold - warm) / extra) if extra > 0 else math.nan
+
+
+def fewest_sufficient(means: pd.DataFrame, enough: float = 0.5) -> tuple[Any, float] | None:
+    """`means`: one row per cell, one column per warm-up count in increasing order (mean step time). The
+    fewest warm-up steps, short of the most, that remove at least `enough` of the first column's extra time
+    over the last column's in every cell, with the smallest share removed there; None if no count does."""
+    cold, reference = means.iloc[:, 0], means.iloc[:, -1]
+    for count in means.columns[1:-1]:
+        shares = [share_removed(*row) for row in zip(cold, means[count], reference, strict=True)]
+        if all(share >= enough for share in shares):  # a NaN share (nothing to remove) never is
+            return count, min(shares)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------

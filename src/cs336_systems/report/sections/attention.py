@@ -183,12 +183,13 @@ def backward_scaling(eager: pd.DataFrame, on_cuda: bool) -> str:
             if len(both)
             else "No cell measured memory before backward."
         )
-    sentences = []
+    sentences, exponents = [], []
     for d, rows in saved.groupby(level="d"):
         series = rows.droplevel("d").sort_index()
         if len(series) < 2:
             continue
         last_two = log_slope(series.index.to_series(), series)
+        exponents.append(last_two)
         sentences.append(
             f"d = {d}: {series.iloc[0]:,.1f} MiB at seq {series.index[0]} → {series.iloc[-1]:,.1f} MiB at seq "
             f"{series.index[-1]}, growing as seq^{last_two:.2f} between the two longest"
@@ -205,7 +206,8 @@ def backward_scaling(eager: pd.DataFrame, on_cuda: bool) -> str:
             f"Memory held for backward, {source}: " + "; ".join(sentences) + ". "
             "Backward releases the saved tensors as it consumes them, so this is also what it reclaims. Its S² "
             f"part (the softmax output P and the bool mask) is {quadratic:.0%} of the saved tensors at d = {d}, "
-            f"seq = {seq}, the rest is B·S·d, so the growth approaches seq² (exponent 2) as seq grows."
+            f"seq = {seq}, the rest is B·S·d"
+            + (", so the growth approaches seq² (exponent 2) as seq grows." if min(exponents) >= 1.8 else ".")
         )
     return "\n".join(out)
 

@@ -123,13 +123,15 @@ def timer_comparison(ctx: Context, ok: pd.DataFrame, on_cuda: bool) -> str:
                 f"It costs most for {most['size']} at context {most['context_length']} "
                 f"({overhead.max():.2f}× a {most['§1.1.3 benchmark ms']:.1f} ms step) and least for "
                 f"{least['size']} at context {least['context_length']} ({overhead.min():.2f}× "
-                f"{least['§1.1.3 benchmark ms']:.1f} ms): the profiler records every operator on the CPU, which "
-                "slows the step where the CPU's kernel launches, not the GPU, set its pace"
+                f"{least['§1.1.3 benchmark ms']:.1f} ms)"
             )
-            if "GPU busy" in table:
+            # The explanation only where the GPU idles more in the most affected cell than in the least.
+            if "GPU busy" in table and most["GPU busy"] < least["GPU busy"]:
                 sentence += (
-                    f" — there the GPU is busy for {most['GPU busy']:.0%} of the profiled forward pass, against "
-                    f"{least['GPU busy']:.0%} in the least affected cell"
+                    ": the profiler records every operator on the CPU, which slows the step where the CPU's kernel "
+                    "launches, not the GPU, set its pace — there the GPU is busy for "
+                    f"{most['GPU busy']:.0%} of the profiled forward pass, against {least['GPU busy']:.0%} in the "
+                    "least affected cell"
                 )
             sentences.append(sentence + ".")
         else:
