@@ -44,11 +44,6 @@ def capitalized(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def listing(items: list[str]) -> str:
-    """`a`, `a and b`, `a, b and c`."""
-    return " and ".join([", ".join(items[:-1]), items[-1]]) if len(items) > 1 else "".join(items)
-
-
 def trend_text(direction: str, spread: float) -> str:
     """A verb phrase for analysis.trend's verdict."""
     if direction == "flat":
