@@ -1,11 +1,12 @@
 # The writeup: report/<run>/writeup.md (kept per run) and report/writeup.md (the selected run's, for reading).
 # `snakemake --report report/report.html` collects it, its figures and every tidy table, each with its caption
 # from rules/report/.
-# The renderer and every section module, relative like all inputs (so a moved checkout stays up to date). The
-# writeup runs anywhere, so editing these re-renders it even where the results are view-only.
-REPORT_SECTIONS = sorted(Path(workflow.basedir, "src/cs336_systems/report/sections").glob("*.py"))
-REPORT_CODE = code("report/__init__.py", "report/__main__.py", "report/context.py",
-                   *(f"report/sections/{p.name}" for p in REPORT_SECTIONS), view_only=False)
+# Every module of the report package (renderer, context, analysis, formatting, sections), relative like all
+# inputs (so a moved checkout stays up to date). The writeup runs anywhere, so editing these re-renders it even
+# where the results are view-only.
+REPORT_PACKAGE = Path(workflow.basedir, "src/cs336_systems")
+REPORT_CODE = code(*sorted(p.relative_to(REPORT_PACKAGE).as_posix()
+                           for p in (REPORT_PACKAGE / "report").rglob("*.py")), view_only=False)
 
 
 rule writeup:

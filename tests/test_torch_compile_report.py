@@ -2,8 +2,9 @@
 
 import pandas as pd
 
+from cs336_systems.report.analysis import paired_speedups
+from cs336_systems.report.formatting import speedup_table
 from cs336_systems.report.sections import torch_compile
-from cs336_systems.report.sections.mixed_precision import speedup_table
 
 LAYERS = {"shallow": (2, 64), "deep": (8, 32)}  # size: (num_layers, d_model)
 
@@ -62,7 +63,8 @@ def test_compile_cost_and_pay_back_come_from_the_first_and_timed_steps():
 
 
 def test_speedups_extremes_and_out_of_memory_sentences():
-    table = speedup_table(FRAME, "compile", "False", "True", ["shallow", "deep"], torch_compile.LABELS)
+    compared = paired_speedups(FRAME, "compile", "False", "True", ["size", "context_length", "mode"])
+    table = speedup_table(compared, ["shallow", "deep"], torch_compile.LABELS)
     cells = torch_compile.step_times(FRAME)
     assert torch_compile.speedups(cells).to_dict() == {  # deep's train step: eager ran out of memory
         ("forward", "deep", 64): 1.5,

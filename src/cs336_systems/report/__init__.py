@@ -6,7 +6,8 @@ import importlib
 import re
 from pathlib import Path
 
-from cs336_systems.report.context import Context, provenance_line
+from cs336_systems.report.context import Context
+from cs336_systems.report.formatting import provenance_line
 
 # (heading, module under cs336_systems.report.sections); modules that do not exist yet render a placeholder.
 SECTIONS = [

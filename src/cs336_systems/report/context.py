@@ -1,4 +1,5 @@
-"""What a writeup section sees: the run's tidy results, a place for figures, and formatting helpers."""
+"""What a writeup section sees: the run's tidy results (or why there are none), a place for figures, and the
+models those results describe."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ matplotlib.use("Agg")  # headless: figures are files
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from cs336_systems.model import ModelConfig  # noqa: E402
 from cs336_systems.provenance import read_rows  # noqa: E402
+from cs336_systems.report.formatting import not_measured, not_run, provenance_line  # noqa: E402
+
+Found = tuple[pd.DataFrame, list[dict[str, Any]]]
 
 
 @dataclass
@@ -33,12 +38,22 @@ class Context:
                 self.provenances.append(meta)
         return found
 
-    def table(self, deliverable: str) -> tuple[pd.DataFrame, list[dict[str, Any]]] | None:
+    def table(self, deliverable: str) -> Found | None:
         """All tables of a deliverable concatenated, or None when the deliverable has not produced any."""
         found = self.tables(deliverable)
         if not found:
             return None
         return pd.concat([f for f, _ in found], ignore_index=True), [m for _, m in found]
+
+    def table_or_reason(self, deliverable: str, what: str) -> Found | str:
+        """The deliverable's table and provenances, or the text a section shows instead: that `what` has no
+        results in this run, or, where every row says it was skipped, the provenance and the reason."""
+        found = self.table(deliverable)
+        if found is None:
+            return not_run(what)
+        frame, metas = found
+        reason = skipped_reason(frame)
+        return f"{provenance_line(metas)}\n\n{not_measured(reason)}" if reason else found
 
     def figure(self, fig: plt.Figure, name: str, alt: str) -> str:
         """Save `fig` as figures/<name>.png and return its markdown image link (relative to the writeup)."""
@@ -49,45 +64,6 @@ class Context:
         return f"![{alt}](figures/{name}.png)"
 
 
-def md(frame: pd.DataFrame, floatfmt: str = ".2f") -> str:
-    """A pandas table as GitHub markdown."""
-    return frame.to_markdown(index=False, floatfmt=floatfmt)
-
-
-def provenance_line(metas: list[dict[str, Any]]) -> str:
-    """One line naming the hardware and software that produced a section's numbers, and the code's commits."""
-    setups: dict[str, dict[str, list[str]]] = {}
-    for meta in metas:
-        p = meta["provenance"]
-        count = p.get("device_count") or 0
-        device = (
-            f"{p['device_name']} ×{count}"
-            if count
-            else f"CPU ({p.get('cpu_threads')} thread{'' if p.get('cpu_threads') == 1 else 's'})"
-        )
-        setup = f"{device}; torch {p['torch']}, CUDA {p.get('cuda') or '—'}, triton {p.get('triton') or '—'}"
-        seen = setups.setdefault(setup, {"commits": [], "dates": []})
-        commit = (p.get("git_commit") or "unknown")[:10] + (" (dirty)" if p.get("git_dirty") else "")
-        for key, value in (("commits", commit), ("dates", p["timestamp"][:10])):
-            if value not in seen[key]:
-                seen[key].append(value)
-    parts = [
-        f"{setup}; commit{'s' if len(seen['commits']) > 1 else ''} {', '.join(seen['commits'])}; "
-        f"{', '.join(seen['dates'])}"
-        for setup, seen in setups.items()
-    ]
-    return "_Measured on " + " | ".join(parts) + "._" if parts else ""
-
-
-def not_run(what: str) -> str:
-    return f"_{what} has no results in this run yet._"
-
-
-def not_measured(reason: str) -> str:
-    """What a section says when its deliverable only recorded why it did not run here (see skipped_reason)."""
-    return f"Not measured in this run: {reason}."
-
-
 def skipped_reason(frame: pd.DataFrame) -> str | None:
     """If every row of a table says `skipped`, the reason it gives (e.g. 'needs CUDA')."""
     if "status" in frame and (frame["status"] == "skipped").all():
@@ -96,10 +72,15 @@ def skipped_reason(frame: pd.DataFrame) -> str | None:
     return None
 
 
+MODEL_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff")
+
+
+def num_parameters(params: dict[str, Any]) -> int:
+    """The parameter count of the model an experiment's parameters describe (context length does not matter)."""
+    return ModelConfig(**{name: params[name] for name in MODEL_FIELDS if name in params}).num_parameters()
+
+
 def model_order(metas: list[dict[str, Any]]) -> list[str]:
-    """Sizes from small to large by their non-embedding parameter count (file order is alphabetical)."""
-    weights = {}
-    for meta in metas:
-        p = meta["params"]
-        weights[p["size"]] = p["num_layers"] * (4 * p["d_model"] ** 2 + 3 * p["d_model"] * p["d_ff"])
+    """Sizes from small to large by parameter count (file order is alphabetical)."""
+    weights = {meta["params"]["size"]: num_parameters(meta["params"]) for meta in metas}
     return sorted(weights, key=weights.get)

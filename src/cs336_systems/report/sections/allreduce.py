@@ -6,15 +6,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from cs336_systems.report.context import Context, md, not_run, provenance_line
-
-KEYS = ["backend", "world_size"]
+from cs336_systems.report.analysis import ALLREDUCE_KEYS as KEYS
+from cs336_systems.report.analysis import allreduce_fits
+from cs336_systems.report.context import Context
+from cs336_systems.report.formatting import md, num, provenance_line, text_md
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table("allreduce")
-    if found is None:
-        return not_run("The all-reduce benchmark")
+    found = ctx.table_or_reason("allreduce", "The all-reduce benchmark")
+    if isinstance(found, str):
+        return found
     frame, metas = found
     ok = measured(frame)
     skipped = skipped_settings(frame)
@@ -31,7 +32,7 @@ def render(ctx: Context) -> str:
     if ok.empty:
         out.append(table(frame, lambda r: "", skipped))
         return "\n".join(out)
-    fits = fit_all(ok)
+    fits = allreduce_fits(ok)
     out += [
         "Time per all-reduce (ms):",
         "",
@@ -89,41 +90,6 @@ def table(ok: pd.DataFrame, cell, skipped: pd.DataFrame) -> str:
 
 def size_label(size_mb: float) -> str:
     return f"{num(size_mb)} MB" if size_mb < 1024 else f"{num(size_mb / 1024)} GB"
-
-
-def text_md(frame: pd.DataFrame) -> str:
-    """A table whose cells are already formatted (tabulate would re-format number-like strings)."""
-    return frame.to_markdown(index=False, disable_numparse=True)
-
-
-def count(n: float) -> str:
-    """A parameter count in millions or billions."""
-    return f"{n / 1e9:.3g} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
-
-
-def num(x: float) -> str:
-    """Three significant digits without an exponent for numbers of at least 100."""
-    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
-
-
-def fit(group: pd.DataFrame) -> dict[str, float]:
-    """Weighted least squares of t = α + β·bytes (seconds), weights 1/t; also the worst relative residual."""
-    t = group["median_ms"].to_numpy() / 1e3
-    n = group["bytes"].to_numpy(dtype=float)
-    design = np.stack([np.ones_like(n), n], axis=1) / t[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    worst = np.max(np.abs((alpha + beta * n) / t - 1))
-    return {"alpha_s": alpha, "beta_s_per_byte": beta, "worst_relative_error": worst, "sizes": len(t)}
-
-
-def fit_all(ok: pd.DataFrame) -> pd.DataFrame:
-    """One fit per (backend, world_size) with at least two sizes."""
-    rows = [
-        {"backend": backend, "world_size": world_size, **fit(group)}
-        for (backend, world_size), group in ok.groupby(KEYS)
-        if group["size_mb"].nunique() >= 2
-    ]
-    return pd.DataFrame(rows, columns=[*KEYS, "alpha_s", "beta_s_per_byte", "worst_relative_error", "sizes"])
 
 
 def fit_table(fits: pd.DataFrame) -> pd.DataFrame:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 
 from cs336_systems.attention_memory import naive_attention_memory
-from cs336_systems.report.context import Context, not_measured, not_run, provenance_line, skipped_reason
+from cs336_systems.report.analysis import log_slope, phase_times
+from cs336_systems.report.context import Context
+from cs336_systems.report.formatting import phase_cell, provenance_line
 
 CELL = ["d", "seq_len"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -18,39 +19,8 @@ def human(n_bytes: float) -> str:
     return f"{n_bytes / GIB:,.2f} GiB" if n_bytes >= GIB else f"{n_bytes / MIB:,.1f} MiB"
 
 
-def cell_times(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per variant x d x seq: mean forward and backward ms (NaN where absent) and the phase that ran out of memory."""
-    ok = frame[frame["status"] == "ok"]
-    times = ok.pivot_table(index=["variant", *CELL], columns="phase", values="time_ms", aggfunc="mean")
-    times = times.reindex(columns=["forward", "backward"])
-    oom = frame[frame["status"] == "OOM"].set_index(["variant", *CELL])["phase"].rename("oom_phase")
-    cells = frame[["variant", *CELL]].drop_duplicates().set_index(["variant", *CELL])
-    return cells.join(times).join(oom)
-
-
-def timing_cell(row: pd.Series, phase: str) -> str:
-    if pd.notna(row[phase]):
-        return f"{row[phase]:.3g}"
-    if row["oom_phase"] == "forward" or row["oom_phase"] == phase:
-        return "OOM"
-    return "—"
-
-
-def load(ctx: Context) -> tuple[pd.DataFrame, list[dict]] | str:
-    """The attention grid (eager and compiled) and its provenance, or the line that says why there is none.
-    Shared by this section and torch_compile (a)."""
-    found = ctx.table("attention")
-    if found is None:
-        return not_run("The attention benchmark")
-    frame, metas = found
-    reason = skipped_reason(frame)
-    if reason:
-        return f"{provenance_line(metas)}\n\n{not_measured(reason)}"
-    return frame, metas
-
-
 def render(ctx: Context) -> str:
-    found = load(ctx)
+    found = ctx.table_or_reason("attention", "The attention benchmark")
     if isinstance(found, str):
         return found
     frame, metas = found
@@ -91,12 +61,12 @@ def measured_saved(frame: pd.DataFrame) -> pd.Series:
 
 
 def grid_table(eager: pd.DataFrame, on_cuda: bool) -> str:
-    cells = cell_times(eager).reset_index(level="variant", drop=True)
+    cells = phase_times(eager, CELL)
     formula = eager.drop_duplicates(CELL).set_index(CELL)["formula_before_backward_mib"]
     table = pd.DataFrame(
         {
-            "forward ms": cells.apply(timing_cell, axis=1, phase="forward"),
-            "backward ms": cells.apply(timing_cell, axis=1, phase="backward"),
+            "forward ms": cells.apply(phase_cell, axis=1, phase="forward"),
+            "backward ms": cells.apply(phase_cell, axis=1, phase="backward"),
         }
     )
     if on_cuda:
@@ -108,7 +78,7 @@ def grid_table(eager: pd.DataFrame, on_cuda: bool) -> str:
 
 
 def timing_findings(eager: pd.DataFrame) -> str:
-    cells = cell_times(eager).reset_index(level="variant", drop=True).sort_index()
+    cells = phase_times(eager, CELL).sort_index()
     ran = cells.dropna(subset=["forward", "backward"])
     if ran.empty:
         return "No cell finished both passes."
@@ -213,13 +183,13 @@ def backward_scaling(eager: pd.DataFrame, on_cuda: bool) -> str:
             if len(both)
             else "No cell measured memory before backward."
         )
-    sentences = []
+    sentences, exponents = [], []
     for d, rows in saved.groupby(level="d"):
         series = rows.droplevel("d").sort_index()
         if len(series) < 2:
             continue
-        seqs, values = np.log(series.index.to_numpy(float)), np.log(series.to_numpy(float))
-        last_two = (values[-1] - values[-2]) / (seqs[-1] - seqs[-2])
+        last_two = log_slope(series.index.to_series(), series)
+        exponents.append(last_two)
         sentences.append(
             f"d = {d}: {series.iloc[0]:,.1f} MiB at seq {series.index[0]} → {series.iloc[-1]:,.1f} MiB at seq "
             f"{series.index[-1]}, growing as seq^{last_two:.2f} between the two longest"
@@ -236,7 +206,8 @@ def backward_scaling(eager: pd.DataFrame, on_cuda: bool) -> str:
             f"Memory held for backward, {source}: " + "; ".join(sentences) + ". "
             "Backward releases the saved tensors as it consumes them, so this is also what it reclaims. Its S² "
             f"part (the softmax output P and the bool mask) is {quadratic:.0%} of the saved tensors at d = {d}, "
-            f"seq = {seq}, the rest is B·S·d, so the growth approaches seq² (exponent 2) as seq grows."
+            f"seq = {seq}, the rest is B·S·d"
+            + (", so the growth approaches seq² (exponent 2) as seq grows." if min(exponents) >= 1.8 else ".")
         )
     return "\n".join(out)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report.context import Context, not_run, provenance_line
-from cs336_systems.report.sections.allreduce import text_md
+from cs336_systems.report.context import Context
+from cs336_systems.report.formatting import provenance_line, text_md
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table("communication_accounting")
-    if found is None:
-        return not_run("The communication accounting")
+    found = ctx.table_or_reason("communication_accounting", "The communication accounting")
+    if isinstance(found, str):
+        return found
     frame, metas = found
     p = metas[0]["params"]
     v = {(r["part"], r["quantity"]): r["value"] for _, r in frame.iterrows()}

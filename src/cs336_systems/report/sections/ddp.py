@@ -9,8 +9,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from cs336_systems.report.context import Context, not_measured, not_run, provenance_line, skipped_reason
-from cs336_systems.report.sections.allreduce import count, fit_all, num, text_md
+from cs336_systems.report.analysis import allreduce_fits, concurrency, step_stats
+from cs336_systems.report.context import Context
+from cs336_systems.report.formatting import count, num, provenance_line, text_md
 
 ORDER = ["naive", "flat", "overlap", "bucketed", "torch_ddp", "single"]
 LABEL = {
@@ -27,7 +28,13 @@ COMPUTE_COLOR, COMM_COLOR = "tab:blue", "tab:orange"
 
 
 def render(ctx: Context) -> str:
-    return "\n\n".join([check(ctx), benchmark(ctx)])
+    return "\n\n".join(
+        [
+            f"### Correctness (naive_ddp)\n\n{check(ctx)}",
+            "### Training-step benchmark (naive_ddp_benchmarking, minimal_ddp_flat_benchmarking, …)\n\n"
+            + benchmark(ctx),
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -35,14 +42,11 @@ def render(ctx: Context) -> str:
 
 
 def check(ctx: Context) -> str:
-    found = ctx.table("naive_ddp")
-    if found is None:
-        return "### Correctness (naive_ddp)\n\n" + not_run("The DDP correctness check")
+    found = ctx.table_or_reason("naive_ddp", "The DDP correctness check")
+    if isinstance(found, str):
+        return found
     frame, metas = found
-    out = ["### Correctness (naive_ddp)", "", provenance_line(metas)]
-    reason = skipped_reason(frame)
-    if reason:
-        return "\n".join([*out, not_measured(reason)])
+    out = [provenance_line(metas)]
     first = frame.iloc[0]
     out += [
         f"The toy model (fc1 → ReLU → LayerNorm → fc2) on {first['world_size']} ranks ({first['backend']}): every "
@@ -81,15 +85,11 @@ def check(ctx: Context) -> str:
 
 
 def benchmark(ctx: Context) -> str:
-    found = ctx.table("ddp")
-    heading = "### Training-step benchmark (naive_ddp_benchmarking, minimal_ddp_flat_benchmarking, …)"
-    if found is None:
-        return heading + "\n\n" + not_run("The DDP benchmark")
+    found = ctx.table_or_reason("ddp", "The DDP benchmark")
+    if isinstance(found, str):
+        return f"{found}\n\n{bucket_model_text()}"
     frame, metas = found
-    out = [heading, "", provenance_line(metas)]
-    reason = skipped_reason(frame)
-    if reason:
-        return "\n".join([*out, not_measured(reason), "", bucket_model_text()])
+    out = [provenance_line(metas)]
     stats = cell_stats(frame)
     ok = stats[~stats["oom"]]
     first = frame[frame["status"] == "ok"].iloc[0]
@@ -114,7 +114,7 @@ def benchmark(ctx: Context) -> str:
         "",
         text_md(bucket_table(ok)),
         "",
-        comparisons(ok, floor_ms, fits),
+        comparisons(ok, floor_ms, fits, on_gpu),
         "",
         ctx.figure(
             plot(ok, floor_ms, optimum_mb(s_bytes, fits)), f"ddp_{ctx.run}", "DDP step times per variant"
@@ -130,22 +130,18 @@ def benchmark(ctx: Context) -> str:
 
 
 def cell_stats(frame: pd.DataFrame) -> pd.DataFrame:
-    """Median, min and max of step and communication time per (variant, bucket size); OOM cells flagged."""
+    """Median, min and max of step time and median communication time per (variant, bucket size); OOM cells
+    flagged."""
     frame = frame.assign(bucket_size_mb=frame["bucket_size_mb"].fillna(0.0))
-    ok = frame[frame["status"] == "ok"]
-    stats = ok.groupby(CELL).agg(
-        median_ms=("step_ms", "median"),
-        min_ms=("step_ms", "min"),
-        max_ms=("step_ms", "max"),
+    ok = frame[frame["status"] == "ok"].assign(comm_share=lambda f: f["comm_ms"] / f["step_ms"])
+    extra = ok.groupby(CELL).agg(
         comm_ms=("comm_ms", "median"),
-        comm_share=("comm_ms", lambda c: (c / ok.loc[c.index, "step_ms"]).median()),
+        comm_share=("comm_share", "median"),
         buckets=("num_buckets", "first"),
         num_tensors=("num_tensors", "first"),
-        steps=("step_ms", "size"),
     )
-    stats = stats.reset_index().assign(oom=False)
-    oom = frame[frame["status"] == "OOM"][CELL].drop_duplicates().assign(oom=True)
-    stats = pd.concat([stats, oom], ignore_index=True)
+    stats = step_stats(frame, CELL, "step_ms").join(extra, on=CELL)
+    stats["oom"] = stats["oom"].eq(True)
     stats["order"] = stats["variant"].map(ORDER.index)
     return stats.sort_values(["order", "bucket_size_mb"]).reset_index(drop=True)
 
@@ -196,7 +192,7 @@ def median_of(ok: pd.DataFrame, variant: str, column: str = "median_ms") -> floa
     return rows[column].iloc[0] if len(rows) else math.nan
 
 
-def comparisons(ok: pd.DataFrame, floor_ms: float, fits: pd.Series | None) -> str:
+def comparisons(ok: pd.DataFrame, floor_ms: float, fits: pd.Series | None, on_gpu: bool) -> str:
     sentences = []
     naive, flat, overlap = (median_of(ok, v) for v in ("naive", "flat", "overlap"))
     naive_comm, flat_comm, overlap_comm = (median_of(ok, v, "comm_ms") for v in ("naive", "flat", "overlap"))
@@ -230,7 +226,11 @@ def comparisons(ok: pd.DataFrame, floor_ms: float, fits: pd.Series | None) -> st
             "is now hidden behind the backward pass"
             + (
                 f". Hidden is not free: the step still takes {overlap - floor_ms:.1f} ms more than one rank "
-                "alone, as NCCL's kernels share the GPU's SMs and memory bandwidth with backward's."
+                + (
+                    "alone, as NCCL's kernels share the GPU's SMs and memory bandwidth with backward's."
+                    if on_gpu
+                    else "alone, as gloo's threads share the CPU's cores and memory bandwidth with backward's."
+                )
                 if not math.isnan(floor_ms) and overlap - floor_ms > overlap_comm + 0.01 * floor_ms
                 else "."
             )
@@ -303,13 +303,10 @@ def timeline_section(ctx: Context, ok: pd.DataFrame, on_gpu: bool) -> str:
         "### Overlap of computation and communication (ddp_overlap_individual_parameters_benchmarking b)",
         "",
     ]
-    found = ctx.table("ddp_timeline")
-    if found is None:
-        return "\n".join([*out, not_run("The profiler timeline")])
+    found = ctx.table_or_reason("ddp_timeline", "The profiler timeline")
+    if isinstance(found, str):
+        return "\n".join([*out, found])
     frame, _ = found
-    reason = skipped_reason(frame)
-    if reason:
-        return "\n".join([*out, not_measured(reason)])
     frame = frame[frame["status"] == "ok"].assign(bucket_size_mb=frame["bucket_size_mb"].fillna(0.0))
     ours = ok[ok["variant"] == "bucketed"]
     best_bucket = ours.loc[ours["median_ms"].idxmin(), "bucket_size_mb"] if len(ours) else None
@@ -343,53 +340,34 @@ def timeline_section(ctx: Context, ok: pd.DataFrame, on_gpu: bool) -> str:
         "",
         " ".join(sentences),
         "",
-        "Naive DDP waits for the whole backward pass and then all-reduces, so its communication sits in a block "
-        "after the last compute kernel; the overlapping wrappers launch each all-reduce from the gradient hook, so "
-        "it runs on the communication stream while the compute stream continues with earlier layers' backward, "
-        "and only the last gradients' all-reduce is left after backward.",
+        overlap_why(overlap_rows),
     ]
     return "\n".join(out)
 
 
-def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def intersection_ms(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    total, i, j = 0.0, 0, 0
-    while i < len(a) and j < len(b):
-        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+def overlap_why(rows: list[dict]) -> str:
+    """How the wrappers differ on the timeline, where the overlapping ones do overlap more than naive."""
+    shares = {r["variant"]: r["overlapped"] for r in rows}
+    others = [share for variant, share in shares.items() if variant != "naive"]
+    if "naive" not in shares or not others or min(others) <= shares["naive"]:
+        return ""
+    return (
+        "Naive DDP waits for the whole backward pass and then all-reduces, so its communication sits in a block "
+        "after the last compute kernel; the overlapping wrappers launch each all-reduce from the gradient hook, so "
+        "it runs on the communication stream while the compute stream continues with earlier layers' backward, "
+        "and only the last gradients' all-reduce is left after backward."
+    )
 
 
 def overlap_stats(frame: pd.DataFrame, variant: str, bucket_mb: float) -> dict:
     """Communication time (union of its intervals) and the share of it concurrent with computation."""
     rows = frame[(frame["variant"] == variant) & (frame["bucket_size_mb"] == bucket_mb)]
-    comm = union(
-        list(zip(rows[rows["communication"]]["start_ms"], rows[rows["communication"]]["end_ms"], strict=True))
-    )
-    compute = union(
-        list(
-            zip(rows[~rows["communication"]]["start_ms"], rows[~rows["communication"]]["end_ms"], strict=True)
-        )
-    )
-    comm_ms = sum(b - a for a, b in comm)
-    return {
-        "variant": variant,
-        "bucket_size_mb": bucket_mb,
-        "comm_ms": comm_ms,
-        "overlapped": intersection_ms(comm, compute) / comm_ms if comm_ms else 0.0,
+    spans = {
+        is_comm: list(zip(part["start_ms"], part["end_ms"], strict=True))
+        for is_comm, part in ((True, rows[rows["communication"]]), (False, rows[~rows["communication"]]))
     }
+    comm_ms, overlapped = concurrency(spans[True], spans[False])
+    return {"variant": variant, "bucket_size_mb": bucket_mb, "comm_ms": comm_ms, "overlapped": overlapped}
 
 
 def plot_timeline(frame: pd.DataFrame, shown: list[tuple[str, float]]) -> plt.Figure:
@@ -431,7 +409,7 @@ def allreduce_fit(ctx: Context, backend: str, world_size: int) -> pd.Series | No
     if found is None:
         return None
     frame, _ = found
-    fits = fit_all(frame[frame["status"] == "ok"].sort_values("size_mb"))
+    fits = allreduce_fits(frame[frame["status"] == "ok"].sort_values("size_mb"))
     match = fits[(fits["backend"] == backend) & (fits["world_size"] == world_size)]
     return match.iloc[0] if len(match) and match["alpha_s"].iloc[0] > 0 else None
 
@@ -507,7 +485,18 @@ def bucket_model_numbers(
                 + (" (within the step-to-step noise)" if gap < 0.01 * ours[best] else "")
                 + ". The model assumes that computing and transferring a bucket take equally long, and it ignores "
                 "the wait for the first bucket and the contention of communication and computation for the same "
-                "GPU (or CPU cores) and memory, which here costs more than the exposed transfers: the measured "
-                "overhead over the floor is several times the communication left after backward."
+                "GPU (or CPU cores) and memory" + contention(ok[ok["variant"] == "bucketed"], floor_ms)
             )
     return "\n".join([text_md(pd.DataFrame(rows)), "", text]) if rows else text
+
+
+def contention(bucketed: pd.DataFrame, floor_ms: float) -> str:
+    """The end of the sentence on what the bucket model ignores: that contention costs more than the exposed
+    transfers, where every bucket size's overhead over the floor exceeds its communication after backward."""
+    ratio = (bucketed["median_ms"] - floor_ms) / bucketed["comm_ms"]
+    if ratio.empty or ratio.isna().any() or (ratio <= 1).any():
+        return "."
+    return (
+        ", which here costs more than the exposed transfers: the measured overhead over the floor is "
+        f"{ratio.min():.2g}–{ratio.max():.2g}× the communication left after backward."
+    )

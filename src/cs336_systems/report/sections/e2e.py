@@ -5,22 +5,9 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from cs336_systems.report.context import Context, md, model_order, not_run, provenance_line
-
-MODE_LABEL = {
-    "forward": "forward",
-    "forward_backward": "forward+backward",
-    "train_step": "train step (AdamW)",
-}
-
-
-def step_stats(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Mean, std and median of the timed steps per cell; cells that ran out of memory keep an `OOM` marker."""
-    ok = frame[frame["status"] == "ok"]
-    stats = ok.groupby(keys, sort=False)["time_ms"].agg(mean_ms="mean", std_ms="std", median_ms="median")
-    stats = stats.reset_index()
-    oom = frame[frame["status"] == "OOM"][keys].drop_duplicates().assign(oom=True)
-    return pd.concat([stats, oom], ignore_index=True)
+from cs336_systems.report.analysis import fewest_sufficient, step_stats
+from cs336_systems.report.context import Context, model_order
+from cs336_systems.report.formatting import MODE_LABEL, md, provenance_line
 
 
 def cell(row: pd.Series) -> str:
@@ -28,9 +15,9 @@ def cell(row: pd.Series) -> str:
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table("e2e")
-    if found is None:
-        return not_run("The end-to-end benchmark")
+    found = ctx.table_or_reason("e2e", "The end-to-end benchmark")
+    if isinstance(found, str):
+        return found
     frame, metas = found
     order = model_order(metas)
     stats = step_stats(frame, ["size", "context_length", "mode"])
@@ -121,9 +108,9 @@ def plot(stats: pd.DataFrame, order: list[str]) -> plt.Figure:
 
 
 def warmup_study(ctx: Context) -> str:
-    found = ctx.table("e2e_warmup")
-    if found is None:
-        return not_run("The warm-up study")
+    found = ctx.table_or_reason("e2e_warmup", "The warm-up study")
+    if isinstance(found, str):
+        return found
     frame, metas = found
     stats = step_stats(frame, ["size", "context_length", "mode", "warmup"])
     stats = stats[stats["oom"] != True]  # noqa: E712
@@ -143,26 +130,51 @@ def warmup_study(ctx: Context) -> str:
         md(shown),
         "",
     ]
-    sentences = []
-    for (size, mode), rows in stats.groupby(["size", "mode"], sort=False):
-        cold, warm = (
-            rows[rows["warmup"] == rows["warmup"].min()],
-            rows[rows["warmup"] == rows["warmup"].max()],
-        )
-        if cold.empty or warm.empty or cold["warmup"].iloc[0] == warm["warmup"].iloc[0]:
-            continue
-        c, w = cold.iloc[0], warm.iloc[0]
-        sentences.append(
-            f"{size} {MODE_LABEL[mode]}: with {c['warmup']} warm-up steps the mean is {c['mean_ms'] / w['mean_ms']:.1f}× "
-            f"and the standard deviation {c['std_ms'] / max(w['std_ms'], 1e-9):.1f}× those with {w['warmup']}; "
-            f"the first timed step took {c['first_step_ms']:.0f} ms against a median of {w['median_ms']:.1f} ms."
-        )
-    out.append(" ".join(sentences))
-    out += [
-        "",
-        "Why: the first steps pay one-time costs that later steps do not — the CUDA context and cuBLAS handles are "
-        "created lazily, kernels are loaded and (for cuBLAS / Triton) heuristics or autotuning pick algorithms, and "
-        "the caching allocator grows its pool with `cudaMalloc` calls that later steps reuse. Without warm-up these "
-        "costs land in the mean and inflate the spread; one or two warm-up steps remove most of them.",
-    ]
+    out += [warmup_sentences(stats), "", warmup_why(stats, metas[0]["params"].get("device") == "cuda")]
     return "\n".join(out)
+
+
+def cold_and_warm(stats: pd.DataFrame) -> pd.DataFrame:
+    """Per size and mode, the run with the fewest warm-up steps beside the one with the most (suffixes _cold,
+    _warm); cells with a single warm-up count are left out."""
+    keys = ["size", "mode"]
+    cold = stats.loc[stats.groupby(keys, sort=False)["warmup"].idxmin()].set_index(keys)
+    warm = stats.loc[stats.groupby(keys, sort=False)["warmup"].idxmax()].set_index(keys)
+    pairs = cold.add_suffix("_cold").join(warm.add_suffix("_warm"))
+    return pairs[pairs["warmup_cold"] != pairs["warmup_warm"]]
+
+
+def warmup_sentences(stats: pd.DataFrame) -> str:
+    return " ".join(
+        f"{size} {MODE_LABEL[mode]}: with {r['warmup_cold']} warm-up steps the mean is "
+        f"{r['mean_ms_cold'] / r['mean_ms_warm']:.1f}× and the standard deviation "
+        f"{r['std_ms_cold'] / max(r['std_ms_warm'], 1e-9):.1f}× those with {r['warmup_warm']}; the first timed "
+        f"step took {r['first_step_ms_cold']:.0f} ms against a median of {r['median_ms_warm']:.1f} ms."
+        for (size, mode), r in cold_and_warm(stats).iterrows()
+    )
+
+
+def warmup_why(stats: pd.DataFrame, on_cuda: bool) -> str:
+    """Why warm-up matters, each claim only where every size and mode of the study shows it."""
+    pairs = cold_and_warm(stats)
+    slow_start = len(pairs) and (pairs["first_step_ms_cold"] > pairs["median_ms_warm"]).all()
+    if not (on_cuda and slow_start):
+        return ""
+    text = (
+        "Why: the first steps pay one-time costs that later steps do not — the CUDA context and cuBLAS handles "
+        "are created lazily, kernels are loaded and (for cuBLAS / Triton) heuristics or autotuning pick "
+        "algorithms, and the caching allocator grows its pool with `cudaMalloc` calls that later steps reuse."
+    )
+    inflated = (pairs["mean_ms_cold"] > pairs["mean_ms_warm"]) & (pairs["std_ms_cold"] > pairs["std_ms_warm"])
+    if not inflated.all():
+        return text
+    text += " Without warm-up these costs land in the mean and inflate the spread"
+    means = stats.pivot_table(index=["size", "mode"], columns="warmup", values="mean_ms").sort_index(axis=1)
+    enough = fewest_sufficient(means.dropna())
+    if enough is None:
+        return text + "."
+    count, share = enough
+    return text + (
+        f"; {count} warm-up step{'' if count == 1 else 's'} already remove{'s' if count == 1 else ''} "
+        f"{share:.0%} or more of the extra mean time."
+    )

@@ -8,8 +8,9 @@ from typing import Any
 
 import pandas as pd
 
-from cs336_systems.model import ModelConfig
-from cs336_systems.report.context import Context, md, not_measured, not_run, provenance_line, skipped_reason
+from cs336_systems.report.analysis import trend
+from cs336_systems.report.context import Context, num_parameters, skipped_reason
+from cs336_systems.report.formatting import md, not_measured, provenance_line
 
 MIB = 2**20
 MODE_LABEL = {"forward": "forward", "train_step": "train step"}
@@ -17,9 +18,9 @@ PRECISION_LABEL = {"none": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autoca
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table("memory")
-    if found is None:
-        return not_run("Memory profiling")
+    found = ctx.table_or_reason("memory", "Memory profiling")
+    if isinstance(found, str):
+        return found
     frame, metas = found
     params = metas[0]["params"]
     peaks = frame[frame["record"] == "peak"]
@@ -43,18 +44,7 @@ def render(ctx: Context) -> str:
         ]
         return "\n".join(out)
     ok = peaks[peaks["status"] == "ok"]
-    parameter_mib = (
-        ModelConfig(
-            vocab_size=params["vocab_size"],
-            context_length=int(peaks["context_length"].max()),
-            d_model=params["d_model"],
-            num_layers=params["num_layers"],
-            num_heads=params["num_heads"],
-            d_ff=params["d_ff"],
-        ).num_parameters()
-        * 4
-        / MIB
-    )
+    parameter_mib = num_parameters(params) * 4 / MIB
     out += [
         "### (a) Active memory timelines",
         "",
@@ -84,12 +74,12 @@ def timelines(ctx: Context, ok: pd.DataFrame, parameter_mib: float) -> str:
     fp32 = ok[(ok["autocast"] == "none") & ok["snapshot"].notna()]
     if fp32.empty:
         return "_No fp32 cell produced a snapshot._"
-    out, sentences = [], []
+    out, sentences, shown = [], [], {}
     for mode in MODE_LABEL:
         rows = fp32[fp32["mode"] == mode].sort_values("context_length")
         if rows.empty:
             continue
-        row = rows.iloc[-1]  # the longest context that ran
+        row = shown[mode] = rows.iloc[-1]  # the longest context that ran
         context = int(row["context_length"])
         png = ctx.results / "memory_snapshots" / str(row["snapshot"]).replace(".pickle", "_timeline.png")
         if png.exists():
@@ -105,17 +95,37 @@ def timelines(ctx: Context, ok: pd.DataFrame, parameter_mib: float) -> str:
         )
         if mode == "train_step" and pd.notna(row.get("optimizer_step_peak_mib")):
             sentences.append(phase_sentence(row, parameter_mib))
-    sentences.append(
-        "Why: in the forward-only step (no autograd graph) each block's temporaries are freed as the next block "
-        "runs, so the timeline is a saw-tooth on top of the parameters that peaks where the largest temporaries "
-        "(attention scores, the logits and the loss) are alive. The train step starts from parameters, the last "
-        "step's gradients and AdamW's two moments (about 4× the parameters); `zero_grad(set_to_none=True)` frees "
-        "the gradients, memory climbs through the forward pass as activations are saved for backward and falls "
-        "through the backward pass as they are released while gradients appear. PyTorch's default (foreach) "
-        "AdamW then updates all parameters as one list, so its intermediates, such as the square root of the "
-        "second moment, exist for every parameter at once."
-    )
-    return "\n\n".join(out + [" ".join(sentences)])
+    why = timeline_why(shown.get("forward"), shown.get("train_step"), parameter_mib)
+    return "\n\n".join(out + [" ".join(sentences + ([why] if why else []))])
+
+
+def timeline_why(forward: pd.Series | None, train: pd.Series | None, parameter_mib: float) -> str:
+    """Why the timelines look as they do, each part only where the recorded step shows it."""
+    parts = []
+    if (
+        forward is not None
+        and forward["peak_allocated_mib"] - forward["start_allocated_mib"] < 0.1 * parameter_mib
+    ):
+        parts.append(  # nothing accumulates: the forward pass rises by less than a tenth of the weights
+            "in the forward-only step (no autograd graph) each block's temporaries are freed as the next block "
+            "runs, so the timeline is a saw-tooth on top of the parameters that peaks where the largest "
+            "temporaries (attention scores, the logits and the loss) are alive."
+        )
+    if train is not None and round(train["start_allocated_mib"] / parameter_mib) == 4:
+        parts.append(
+            "The train step starts from parameters, the last step's gradients and AdamW's two moments (about 4× "
+            "the parameters); `zero_grad(set_to_none=True)` frees the gradients, memory climbs through the forward "
+            "pass as activations are saved for backward and falls through the backward pass as they are released "
+            "while gradients appear."
+        )
+    if train is not None and train.get("optimizer_step_peak_mib", 0) > train.get(
+        "forward_backward_peak_mib", 0
+    ):
+        parts.append(
+            "PyTorch's default (foreach) AdamW then updates all parameters as one list, so its intermediates, such "
+            "as the square root of the second moment, exist for every parameter at once."
+        )
+    return "Why: " + " ".join(parts) if parts else ""
 
 
 def phase_sentence(row: pd.Series, parameter_mib: float) -> str:
@@ -215,14 +225,37 @@ def precision_deltas(peaks: pd.DataFrame) -> str:
             f"{mode.capitalize()}: bf16 changes the peak by {rows['Δ %'].min():+.1f} % to {rows['Δ %'].max():+.1f} % "
             f"({rows['Δ MiB'].min():+,.0f} to {rows['Δ MiB'].max():+,.0f} MiB) over the context lengths."
         )
-    sentences.append(
+    sentences.append(precision_why(delta.dropna(subset=["Δ %"])))
+    return md(table) + "\n\n" + " ".join(sentences)
+
+
+def precision_why(delta: pd.DataFrame) -> str:
+    """Why bf16 moves the peak as it does; each consequence named only for the modes whose deltas (per
+    context, in increasing order) show it."""
+    by_mode = {mode: rows.sort_values("context_length") for mode, rows in delta.groupby("mode", sort=False)}
+    saving_grows = [m for m, rows in by_mode.items() if trend(rows["Δ MiB"]).direction == "shrinks"]
+    grows = [m for m, rows in by_mode.items() if (rows["Δ MiB"] > 0).all()]
+    little = [m for m, rows in by_mode.items() if (rows["Δ %"].abs() < 1).all() and m not in grows]
+    text = (
         "Why: autocast keeps the fp32 parameters (and, in training, fp32 gradients and AdamW state: 16 bytes per "
         "parameter that bf16 does not touch) and adds bf16 copies of the weights it casts; only activations "
-        "produced by matmuls become bf16, while norms, softmax and the loss stay fp32. So the saving grows with "
-        "the activations (longer contexts), and where fixed state or the weight copies dominate the peak moves "
-        "little or even grows."
+        "produced by matmuls become bf16, while norms, softmax and the loss stay fp32."
     )
-    return md(table) + "\n\n" + " ".join(sentences)
+    if saving_grows:
+        text += (
+            " So the saving grows with the activations: the longer the context, the more bf16 lowers the "
+            f"{' and '.join(saving_grows)} peak relative to fp32."
+        )
+    if grows or little:
+        where = [f"the {m} peak grows" for m in grows] + [
+            f"the {m} peak moves by less than 1 %" for m in little
+        ]
+        text += (
+            " Where fixed state or the weight copies dominate, the peak moves little or even grows: here "
+            + " and ".join(where)
+            + "."
+        )
+    return text
 
 
 def residual_stream(residual: pd.DataFrame) -> str:
@@ -262,13 +295,10 @@ def tensor_names(params: dict[str, Any], batch: int, context: int, dtype_bytes: 
 
 
 def largest_allocations(ctx: Context, params: dict[str, Any], top: int = 10) -> str:
-    found = ctx.table("memory_allocations")
-    if found is None:
-        return not_run("The largest-allocation list")
+    found = ctx.table_or_reason("memory_allocations", "The largest-allocation list")
+    if isinstance(found, str):
+        return found
     frame, _ = found
-    reason = skipped_reason(frame)
-    if reason:
-        return not_measured(reason)
     fp32 = frame[frame["autocast"] == "none"]
     frame = fp32 if len(fp32) else frame
     context = int(frame["context_length"].max())

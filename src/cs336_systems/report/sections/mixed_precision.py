@@ -9,8 +9,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from cs336_systems.report.context import Context, md, model_order, not_run, provenance_line
-from cs336_systems.report.sections.e2e import MODE_LABEL, step_stats
+from cs336_systems.report.analysis import paired_speedups, speedups_by_size, trend
+from cs336_systems.report.context import Context, model_order
+from cs336_systems.report.formatting import md, not_run, provenance_line, speedup_sentences, speedup_table
 
 EXACT = 10.0
 
@@ -97,10 +98,12 @@ def accumulation(found: tuple[pd.DataFrame, dict[str, Any]] | None) -> str:
                 else f"against an observed error of {mixed['abs_error'].iloc[0]:.6f}."
             )
         )
-    out.append(
-        " ".join(sentences) + " Accumulating in float32 is what matters; storing inputs in low precision "
-        "costs only their one-time rounding."
-    )
+    if len(fp16) and len(mixed) and mixed["abs_error"].max() < fp16["abs_error"].iloc[0] / 10:
+        sentences.append(
+            "Accumulating in float32 is what matters; storing inputs in low precision costs only their one-time "
+            "rounding."
+        )
+    out.append(" ".join(sentences))
     return "\n".join(out)
 
 
@@ -132,13 +135,27 @@ def autocast_dtypes(found: tuple[pd.DataFrame, dict[str, Any]] | None) -> str:
             f"{'is' if len(low) == 1 else 'are'} {dtype} and {', '.join(full) or 'nothing'} "
             f"{'stays' if len(full) == 1 else 'stay'} float32."
         )
-    sentences.append(
-        "Autocast casts the inputs of matrix multiplies (fc1, fc2) to the low-precision type but never the stored "
-        "parameters, whose gradients therefore come back float32; the loss (cross-entropy, a reduction) is "
-        "computed in float32."
-    )
+    if casts_only_matmuls(frame):
+        sentences.append(
+            "Autocast casts the inputs of matrix multiplies (fc1, fc2) to the low-precision type but never the "
+            "stored parameters, whose gradients therefore come back float32; the loss (cross-entropy, a "
+            "reduction) is computed in float32."
+        )
     out.append(" ".join(sentences))
     return "\n".join(out)
+
+
+def casts_only_matmuls(frame: pd.DataFrame) -> bool:
+    """Whether, under every autocast dtype, the matmul outputs have that dtype and parameters, gradients and
+    loss stay float32."""
+    dtypes = frame.pivot_table(index="quantity", columns="autocast_dtype", values="dtype", aggfunc="first")
+    needed = ["fc1 output", "logits", "parameters", "gradients", "loss"]
+    if not set(needed) <= set(dtypes.index):
+        return False
+    low = dtypes.loc[["fc1 output", "logits"]] == dtypes.columns.to_numpy()
+    return bool(
+        low.all().all() and (dtypes.loc[["parameters", "gradients", "loss"]] == "float32").all().all()
+    )
 
 
 def layer_norm(found: tuple[pd.DataFrame, dict[str, Any]] | None) -> str:
@@ -172,68 +189,15 @@ def layer_norm(found: tuple[pd.DataFrame, dict[str, Any]] | None) -> str:
     )
 
 
-def trend(values: pd.Series) -> str:
-    """How values ordered by model size change: flat, grows, shrinks or no consistent trend."""
-    spread = (values.max() - values.min()) / values.median()
-    if spread < 0.05:
-        return f"is flat (all within {spread:.0%} of each other)"
-    if len(values) < 3:
-        return "grows" if values.iloc[-1] > values.iloc[0] else "shrinks"
-    rank = np.corrcoef(np.arange(len(values)), values.rank().to_numpy())[0, 1]
-    return "grows" if rank >= 0.7 else "shrinks" if rank <= -0.7 else "has no consistent trend"
-
-
-def speedup_table(
-    frame: pd.DataFrame, column: str, baseline: str, other: str, order: list[str], labels: dict[str, str]
-) -> pd.DataFrame:
-    """Per size x context x mode: both variants' median (± std) or OOM, and the speedup baseline / other of the
-    medians (one slow step, such as a late allocation, moves a mean of ten but not the median)."""
-    keys = ["size", "context_length", "mode"]
-    stats = step_stats(frame.astype({column: str}), [*keys, column])
-    stats["cell"] = stats.apply(
-        lambda r: "OOM" if r.get("oom") is True else f"{r['median_ms']:.4g} (± {r['std_ms']:.2g})", axis=1
-    )
-    cells = stats.pivot_table(index=keys, columns=column, values="cell", aggfunc="first")
-    medians = stats.pivot_table(index=keys, columns=column, values="median_ms", aggfunc="first")
-    table = pd.DataFrame(
-        {labels[baseline]: cells.get(baseline), labels[other]: cells.get(other)}, index=cells.index
-    )
-    speedup = medians[baseline] / medians[other] if {baseline, other} <= set(medians.columns) else np.nan
-    table["speedup"] = pd.Series(speedup, index=medians.index).reindex(table.index)
-    table = table.reset_index()
-    table["size"] = pd.Categorical(table["size"], categories=order, ordered=True)
-    table["mode"] = pd.Categorical(
-        table["mode"].map(MODE_LABEL), categories=list(MODE_LABEL.values()), ordered=True
-    )
-    table = table.sort_values(["mode", "size", "context_length"])
-    table["speedup"] = table["speedup"].map(lambda v: f"{v:.2f}×" if pd.notna(v) else "—")
-    return table
-
-
-def speedup_sentences(table: pd.DataFrame, what: str) -> str:
-    sentences = []
-    for mode, rows in table.groupby("mode", sort=False, observed=True):
-        ran = rows[rows["speedup"] != "—"]
-        by_size = ran["speedup"].str.rstrip("×").astype(float).groupby(ran["size"], observed=True).median()
-        if by_size.empty:
-            continue
-        mode = str(mode)[0].upper() + str(mode)[1:]
-        listed = ", ".join(f"{s:.2f}× for {size}" for size, s in by_size.items())
-        slower = " (below 1: slower than the baseline)" if (by_size < 1).any() else ""
-        if len(by_size) == 1:
-            sentences.append(f"{mode}: {what} is {listed}{slower}; one size, so no trend to read.")
-        else:
-            sentences.append(f"{mode}: {what} is {listed}{slower}; it {trend(by_size)} across model sizes.")
-    return " ".join(sentences)
-
-
 def bf16_timings(ctx: Context) -> str:
-    found = ctx.table("mixed_precision_e2e")
-    if found is None:
-        return not_run("The bf16 end-to-end benchmark")
+    found = ctx.table_or_reason("mixed_precision_e2e", "The bf16 end-to-end benchmark")
+    if isinstance(found, str):
+        return found
     frame, metas = found
-    labels = {"none": "fp32 ms", "bf16": "bf16 autocast ms"}
-    table = speedup_table(frame, "autocast", "none", "bf16", model_order(metas), labels)
+    order = model_order(metas)
+    compared = paired_speedups(frame, "autocast", "none", "bf16", ["size", "context_length", "mode"])
+    table = speedup_table(compared, order, {"baseline": "fp32 ms", "other": "bf16 autocast ms"})
+    by_size = speedups_by_size(compared, order)
     steps = (
         frame[frame["status"] == "ok"].groupby(["size", "context_length", "mode", "autocast"]).size().max()
     )
@@ -245,11 +209,25 @@ def bf16_timings(ctx: Context) -> str:
         "",
         md(table, floatfmt=".2f"),
         "",
-        speedup_sentences(table, "the bf16 speedup"),
+        speedup_sentences(by_size, "the bf16 speedup"),
         "",
-        "Why: bf16 matrix multiplies run on tensor cores at several times the fp32 rate and move half the bytes, "
-        "but autocast adds casts of weights and activations, and normalisation, softmax and the loss stay in "
-        "fp32; a small model's step is dominated by kernel launches and these elementwise ops, so the gain "
-        "appears as the matmuls grow. On a CPU without native bf16 arithmetic bf16 is emulated and can be slower.",
+        bf16_why(by_size, compared, metas[0]["params"].get("device")),
     ]
     return "\n".join(out)
+
+
+def bf16_why(by_size: dict[str, pd.Series], compared: pd.DataFrame, device: str | None) -> str:
+    """Why bf16 helps where it does: on a GPU only where its gain grows with model size in every mode, on a
+    CPU only where bf16 is slower somewhere."""
+    if device == "cpu":
+        slower = (compared["speedup"] < 1).any()
+        return "On a CPU without native bf16 arithmetic bf16 is emulated and can be slower." if slower else ""
+    grows = len(by_size) and all(len(v) > 1 and trend(v).direction == "grows" for v in by_size.values())
+    if not grows:
+        return ""
+    return (
+        "Why: bf16 matrix multiplies run on tensor cores at several times the fp32 rate and move half the "
+        "bytes, but autocast adds casts of weights and activations, and normalisation, softmax and the loss stay "
+        "in fp32; a small model's step is dominated by kernel launches and these elementwise ops, so the gain "
+        "appears as the matmuls grow."
+    )

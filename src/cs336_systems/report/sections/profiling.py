@@ -6,28 +6,18 @@ import re
 
 import pandas as pd
 
-from cs336_systems.report.context import (
-    Context,
-    md,
-    model_order,
-    not_measured,
-    not_run,
-    provenance_line,
-    skipped_reason,
-)
-from cs336_systems.report.sections.e2e import MODE_LABEL, step_stats
+from cs336_systems.report.analysis import step_stats
+from cs336_systems.report.context import Context, model_order
+from cs336_systems.report.formatting import MODE_LABEL, md, provenance_line
 
 CELL = ["size", "context_length", "mode"]
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table("profile")
-    if found is None:
-        return not_run("Profiling")
+    found = ctx.table_or_reason("profile", "Profiling")
+    if isinstance(found, str):
+        return found
     frame, metas = found
-    reason = skipped_reason(frame)
-    if reason:
-        return f"{provenance_line(metas)}\n\n{not_measured(reason)}"
     ok = in_model_order(frame[frame["status"] == "ok"], model_order(metas))
     on_cuda = (ok["device"] == "cuda").any()
     unit = "CUDA kernel" if on_cuda else "aten op"
@@ -133,13 +123,15 @@ def timer_comparison(ctx: Context, ok: pd.DataFrame, on_cuda: bool) -> str:
                 f"It costs most for {most['size']} at context {most['context_length']} "
                 f"({overhead.max():.2f}× a {most['§1.1.3 benchmark ms']:.1f} ms step) and least for "
                 f"{least['size']} at context {least['context_length']} ({overhead.min():.2f}× "
-                f"{least['§1.1.3 benchmark ms']:.1f} ms): the profiler records every operator on the CPU, which "
-                "slows the step where the CPU's kernel launches, not the GPU, set its pace"
+                f"{least['§1.1.3 benchmark ms']:.1f} ms)"
             )
-            if "GPU busy" in table:
+            # The explanation only where the GPU idles more in the most affected cell than in the least.
+            if "GPU busy" in table and most["GPU busy"] < least["GPU busy"]:
                 sentence += (
-                    f" — there the GPU is busy for {most['GPU busy']:.0%} of the profiled forward pass, against "
-                    f"{least['GPU busy']:.0%} in the least affected cell"
+                    ": the profiler records every operator on the CPU, which slows the step where the CPU's kernel "
+                    "launches, not the GPU, set its pace — there the GPU is busy for "
+                    f"{most['GPU busy']:.0%} of the profiled forward pass, against {least['GPU busy']:.0%} in the "
+                    "least affected cell"
                 )
             sentences.append(sentence + ".")
         else:

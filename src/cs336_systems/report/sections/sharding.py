@@ -8,8 +8,8 @@ import math
 import pandas as pd
 
 from cs336_systems.accounting import data_parallel_communication, values
-from cs336_systems.report.context import Context, not_measured, not_run, provenance_line, skipped_reason
-from cs336_systems.report.sections.allreduce import count, text_md
+from cs336_systems.report.context import Context
+from cs336_systems.report.formatting import count, provenance_line, text_md
 
 VARIANT = {
     "unsharded": "AdamW, unsharded",
@@ -25,14 +25,11 @@ PHASE = {
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table("sharding")
-    if found is None:
-        return not_run("The optimizer state sharding benchmark")
+    found = ctx.table_or_reason("sharding", "The optimizer state sharding benchmark")
+    if isinstance(found, str):
+        return f"{found}\n\n{zero_comparison(None)}"
     frame, metas = found
     out = [provenance_line(metas)]
-    reason = skipped_reason(frame)
-    if reason:
-        return "\n".join([*out, not_measured(reason), "", zero_comparison(None)])
     oom = frame[frame["status"] == "OOM"]["variant"].unique()
     frame = frame[frame["status"] != "OOM"]
     first = frame.iloc[0]

@@ -1,0 +1,179 @@
+"""What the writeup computes from tidy results before it says anything: fits, interval overlap, step statistics,
+trends and the tests that decide whether a finding is stated. Pure functions of numbers and DataFrames; no text."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+import pandas as pd
+
+# ---------------------------------------------------------------------------------------------------------
+# The latency-bandwidth model of a collective: t(n) = α + β·n
+
+
+def fit_latency_bandwidth(n_bytes: np.ndarray, seconds: np.ndarray) -> dict[str, float]:
+    """Least squares of t = α + β·n, each point weighted by 1/t so that every size counts by its relative error
+    (an unweighted fit is decided by the largest size alone); also the worst relative residual."""
+    n, t = np.asarray(n_bytes, dtype=float), np.asarray(seconds, dtype=float)
+    design = np.stack([np.ones_like(n), n], axis=1) / t[:, None]
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    worst = np.max(np.abs((alpha + beta * n) / t - 1))
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "worst_relative_error": worst, "sizes": len(t)}
+
+
+ALLREDUCE_KEYS = ["backend", "world_size"]
+
+
+def allreduce_fits(ok: pd.DataFrame) -> pd.DataFrame:
+    """One α–β fit per (backend, world_size) with at least two sizes, from median times in ms."""
+    rows = [
+        {
+            "backend": backend,
+            "world_size": world_size,
+            **fit_latency_bandwidth(group["bytes"].to_numpy(), group["median_ms"].to_numpy() / 1e3),
+        }
+        for (backend, world_size), group in ok.groupby(ALLREDUCE_KEYS)
+        if group["size_mb"].nunique() >= 2
+    ]
+    columns = [*ALLREDUCE_KEYS, "alpha_s", "beta_s_per_byte", "worst_relative_error", "sizes"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Intervals (ms) on a timeline
+
+Intervals = list[tuple[float, float]]
+
+
+def union(intervals: Intervals) -> Intervals:
+    """Sorted, disjoint intervals covering the same time."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def intersection_length(a: Intervals, b: Intervals) -> float:
+    """Time covered by both of two unions (each sorted and disjoint, as `union` returns them)."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def concurrency(busy: Intervals, other: Intervals) -> tuple[float, float]:
+    """How long `busy` lasts (overlaps counted once) and the share of that time during which `other` runs too."""
+    busy, other = union(busy), union(other)
+    total = sum(end - start for start, end in busy)
+    return total, intersection_length(busy, other) / total if total else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Step statistics
+
+MODES = ["forward", "forward_backward", "train_step"]  # the timed modes of a Transformer step, in order
+
+
+def step_stats(frame: pd.DataFrame, keys: list[str], value: str = "time_ms") -> pd.DataFrame:
+    """Mean, std, median, min, max and count of the timed steps per cell; cells that ran out of memory are
+    rows with `oom` True (and NaN statistics), those that ran have `oom` NaN."""
+    ok = frame[frame["status"] == "ok"]
+    stats = ok.groupby(keys, sort=False)[value].agg(
+        mean_ms="mean", std_ms="std", median_ms="median", min_ms="min", max_ms="max", steps="size"
+    )
+    oom = frame[frame["status"] == "OOM"][keys].drop_duplicates().assign(oom=True)
+    return pd.concat([stats.reset_index(), oom], ignore_index=True)
+
+
+def paired_speedups(
+    frame: pd.DataFrame, column: str, baseline: str, other: str, keys: list[str]
+) -> pd.DataFrame:
+    """Per cell: the step statistics where `column` is `baseline` (suffix _baseline) and where it is `other`
+    (suffix _other), and speedup = baseline median / other median, NaN unless both ran. Medians, since one slow
+    step (a late allocation) moves a mean of ten but not the median."""
+    stats = step_stats(frame.astype({column: str}), [*keys, column])
+    side = {v: stats[stats[column] == v].drop(columns=column).set_index(keys) for v in (baseline, other)}
+    both = side[baseline].add_suffix("_baseline").join(side[other].add_suffix("_other"), how="outer")
+    both["speedup"] = both["median_ms_baseline"] / both["median_ms_other"]
+    return both.reset_index()
+
+
+def speedups_by_size(compared: pd.DataFrame, order: list[str], decimals: int = 2) -> dict[str, pd.Series]:
+    """Per mode (in MODES order), the median over contexts of paired_speedups' speedup per size, sizes in
+    `order`; sizes where no cell has both variants are left out. The median is of the speedups rounded as the
+    table shows them (`decimals`), so that a reader can check it against the table."""
+    ran = compared.dropna(subset=["speedup"])
+    by_size = {}
+    for mode in [m for m in MODES if m in set(ran["mode"])]:
+        medians = (
+            ran[ran["mode"] == mode].groupby("size")["speedup"].agg(lambda v: v.round(decimals).median())
+        )
+        by_size[mode] = medians.reindex([s for s in order if s in medians.index])
+    return by_size
+
+
+def phase_times(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Per cell: mean forward and backward ms (NaN where absent) and `oom_phase`, the phase that ran out of
+    memory (NaN where none did)."""
+    ok = frame[frame["status"] == "ok"]
+    times = ok.pivot_table(index=keys, columns="phase", values="time_ms", aggfunc="mean")
+    times = times.reindex(columns=["forward", "backward"])
+    oom = frame[frame["status"] == "OOM"].set_index(keys)["phase"].rename("oom_phase")
+    return frame[keys].drop_duplicates().set_index(keys).join(times).join(oom)
+
+
+def share_removed(cold: float, warm: float, reference: float) -> float:
+    """How much of the extra time `cold` has over `reference` is gone at `warm` (1 = all of it, capped at 1);
+    NaN when `cold` has no extra time."""
+    extra = cold - reference
+    return min(1.0, (cold - warm) / extra) if extra > 0 else math.nan
+
+
+def fewest_sufficient(means: pd.DataFrame, enough: float = 0.5) -> tuple[Any, float] | None:
+    """`means`: one row per cell, one column per warm-up count in increasing order (mean step time). The
+    fewest warm-up steps, short of the most, that remove at least `enough` of the first column's extra time
+    over the last column's in every cell, with the smallest share removed there; None if no count does."""
+    cold, reference = means.iloc[:, 0], means.iloc[:, -1]
+    for count in means.columns[1:-1]:
+        shares = [share_removed(*row) for row in zip(cold, means[count], reference, strict=True)]
+        if all(share >= enough for share in shares):  # a NaN share (nothing to remove) never is
+            return count, min(shares)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trends
+
+
+class Trend(NamedTuple):
+    direction: str  # "flat", "grows", "shrinks" or "mixed"
+    spread: float  # (max − min) / |median|
+
+
+def trend(values: pd.Series, flat_within: float = 0.05, agreement: float = 0.7) -> Trend:
+    """How values, in the order given (e.g. by model size), change: flat when all lie within `flat_within` of
+    their median; otherwise grows or shrinks when the rank correlation with the order reaches ±`agreement`
+    (with two values, their order decides), else mixed."""
+    scale = abs(values.median())
+    spread = (values.max() - values.min()) / scale if scale else math.inf
+    if spread < flat_within:
+        return Trend("flat", spread)
+    if len(values) < 3:
+        return Trend("grows" if values.iloc[-1] > values.iloc[0] else "shrinks", spread)
+    rank = np.corrcoef(np.arange(len(values)), values.rank().to_numpy())[0, 1]
+    return Trend("grows" if rank >= agreement else "shrinks" if rank <= -agreement else "mixed", spread)
+
+
+def log_slope(x: pd.Series, y: pd.Series) -> float:
+    """The exponent k of y ∝ x^k between the last two points."""
+    lx, ly = np.log(x.to_numpy(float)), np.log(y.to_numpy(float))
+    return (ly[-1] - ly[-2]) / (lx[-1] - lx[-2])

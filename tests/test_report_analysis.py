@@ -1,0 +1,181 @@
+"""The writeup's analysis on made-up numbers whose answers are known: fits, intervals, statistics, trends."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cs336_systems.report import analysis
+
+
+def test_latency_bandwidth_fit_recovers_alpha_and_beta():
+    n = np.array([1e3, 1e5, 1e7, 1e9])
+    alpha, beta = 50e-6, 1 / 200e9  # 50 µs per call, 200 GB/s
+    fit = analysis.fit_latency_bandwidth(n, alpha + beta * n)
+    assert fit["alpha_s"] == pytest.approx(alpha, rel=1e-9)
+    assert fit["beta_s_per_byte"] == pytest.approx(beta, rel=1e-9)
+    assert fit["worst_relative_error"] < 1e-9
+    assert fit["sizes"] == 4
+
+
+def test_fit_weights_every_size_by_its_relative_error():
+    n = np.array([1e3, 1e9])
+    noisy = np.array([2 * 50e-6, 50e-6 + 1e9 / 200e9])  # the small call twice as slow as the model says
+    fit = analysis.fit_latency_bandwidth(n, noisy)
+    # Two points are fitted exactly, whatever the weights.
+    assert fit["alpha_s"] + fit["beta_s_per_byte"] * 1e3 == pytest.approx(noisy[0])
+
+
+def test_allreduce_fits_one_per_backend_and_process_count_with_two_sizes():
+    rows = []
+    for backend, world_size, alpha in (("nccl", 2, 20e-6), ("gloo", 2, 1e-3)):
+        for size_mb in (1, 10, 100):
+            n = size_mb * 2**20
+            rows.append(
+                {
+                    "backend": backend,
+                    "world_size": world_size,
+                    "size_mb": size_mb,
+                    "bytes": n,
+                    "median_ms": (alpha + n / 1e10) * 1e3,
+                }
+            )
+    rows.append({"backend": "gloo", "world_size": 4, "size_mb": 1, "bytes": 2**20, "median_ms": 1.0})
+    fits = analysis.allreduce_fits(pd.DataFrame(rows)).set_index(["backend", "world_size"])
+    assert list(fits.index) == [("gloo", 2), ("nccl", 2)]  # gloo on 4 has a single size
+    assert fits.loc[("nccl", 2), "alpha_s"] == pytest.approx(20e-6, rel=1e-6)
+    assert 1 / fits.loc[("gloo", 2), "beta_s_per_byte"] == pytest.approx(1e10, rel=1e-6)
+
+
+def test_union_merges_overlapping_and_touching_intervals():
+    assert analysis.union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+    assert analysis.union([]) == []
+
+
+def test_intersection_length_of_two_unions():
+    a = [(0, 4), (6, 10)]
+    b = [(2, 7), (9, 12)]
+    assert analysis.intersection_length(a, b) == 2 + 1 + 1  # [2,4], [6,7], [9,10]
+    assert analysis.intersection_length(a, [(4, 6)]) == 0
+
+
+def test_concurrency_counts_overlapping_busy_time_once():
+    comm = [(0, 4), (2, 6), (10, 12)]  # 8 ms in all once the overlap is merged
+    compute = [(3, 11)]
+    total, share = analysis.concurrency(comm, compute)
+    assert total == 8
+    assert share == pytest.approx((3 + 1) / 8)  # [3,6] and [10,11]
+    assert analysis.concurrency([], compute) == (0, 0.0)
+
+
+def steps(cells):
+    return pd.DataFrame(
+        [
+            {"size": size, "mode": "forward", "status": "ok", "time_ms": t}
+            for size, times in cells.items()
+            for t in times
+        ]
+        + [{"size": "huge", "mode": "forward", "status": "OOM", "time_ms": None}]
+    )
+
+
+def test_step_stats_per_cell_and_out_of_memory_marker():
+    stats = analysis.step_stats(steps({"a": [1, 2, 3, 10], "b": [4, 4]}), ["size", "mode"]).set_index("size")
+    assert stats.loc["a", ["mean_ms", "median_ms", "min_ms", "max_ms", "steps"]].tolist() == [
+        4,
+        2.5,
+        1,
+        10,
+        4,
+    ]
+    assert stats.loc["b", "std_ms"] == 0
+    assert stats.loc["huge", "oom"] is True and math.isnan(stats.loc["huge", "median_ms"])
+    assert stats[["oom"]].loc[["a", "b"]].isna().all().all()
+
+
+def test_paired_speedups_divide_medians_and_leave_out_of_memory_cells_empty():
+    frame = pd.DataFrame(
+        [
+            {"size": "s", "context_length": 64, "mode": "forward", "compile": c, "status": "ok", "time_ms": t}
+            for c, times in ((False, [10, 12, 100]), (True, [5, 6, 6]))
+            for t in times
+        ]
+        + [
+            {"size": "s", "context_length": 128, "mode": "forward", "compile": False, "status": "OOM"},
+            {
+                "size": "s",
+                "context_length": 128,
+                "mode": "forward",
+                "compile": True,
+                "status": "ok",
+                "time_ms": 9,
+            },
+        ]
+    )
+    compared = analysis.paired_speedups(frame, "compile", "False", "True", ["size", "context_length", "mode"])
+    by_context = compared.set_index("context_length")
+    assert by_context.loc[64, "speedup"] == 2  # medians 12 / 6: the 100 ms step does not count
+    assert by_context.loc[128, "oom_baseline"] is True and math.isnan(by_context.loc[128, "speedup"])
+
+
+def test_speedups_by_size_in_model_order_with_the_median_over_contexts():
+    compared = pd.DataFrame(
+        {
+            "size": ["big", "big", "small", "small", "small"],
+            "mode": ["forward"] * 5,
+            "speedup": [1.0, 1.2, 2.0, 3.0, math.nan],
+        }
+    )
+    by_size = analysis.speedups_by_size(compared, ["small", "big"])
+    assert list(by_size) == ["forward"]
+    assert by_size["forward"].to_dict() == {"small": 2.5, "big": 1.1}
+
+
+@pytest.mark.parametrize(
+    ("values", "direction"),
+    [
+        ([1.0, 2.0, 3.0, 5.0], "grows"),
+        ([5.0, 3.0, 2.0, 1.0], "shrinks"),
+        ([1.0, 5.0, 1.0, 5.0], "mixed"),
+        ([100.0, 101.0, 99.0], "flat"),
+        ([1.0, 2.0], "grows"),
+        ([-127.0, 3.0, 67.0], "grows"),  # around zero: never flat
+        ([-6.0, -6.1, -6.2], "flat"),  # a negative median spreads as a positive one
+    ],
+)
+def test_trend_both_ways(values, direction):
+    assert analysis.trend(pd.Series(values)).direction == direction
+
+
+def test_share_removed_and_the_fewest_sufficient_warmup():
+    assert analysis.share_removed(cold=30, warm=12, reference=10) == pytest.approx(0.9)
+    assert analysis.share_removed(cold=30, warm=5, reference=10) == 1.0  # capped
+    assert math.isnan(analysis.share_removed(cold=10, warm=10, reference=10))
+    means = pd.DataFrame({0: [30.0, 50.0], 1: [25.0, 20.0], 2: [11.0, 21.0], 5: [10.0, 20.0]})
+    count, share = analysis.fewest_sufficient(means)
+    assert count == 2  # one warm-up step removes only a quarter of the first cell's extra 20 ms
+    assert share == pytest.approx(0.95)
+    assert analysis.fewest_sufficient(means[[0, 1, 5]]) is None
+
+
+def test_log_slope_between_the_last_two_points():
+    x = pd.Series([256.0, 1024.0, 4096.0])
+    assert analysis.log_slope(x, 3 * x + x**2) == pytest.approx(2, abs=2e-3)  # approaches 2 from below
+    assert analysis.log_slope(x, 7 * x) == pytest.approx(1)
+
+
+def test_phase_times_means_and_the_phase_that_ran_out_of_memory():
+    frame = pd.DataFrame(
+        [
+            {"d": 16, "seq_len": 64, "phase": "forward", "status": "ok", "time_ms": 1.0},
+            {"d": 16, "seq_len": 64, "phase": "forward", "status": "ok", "time_ms": 3.0},
+            {"d": 16, "seq_len": 64, "phase": "backward", "status": "ok", "time_ms": 4.0},
+            {"d": 16, "seq_len": 128, "phase": "forward", "status": "ok", "time_ms": 5.0},
+            {"d": 16, "seq_len": 128, "phase": "backward", "status": "OOM", "time_ms": None},
+        ]
+    )
+    times = analysis.phase_times(frame, ["d", "seq_len"])
+    assert times.loc[(16, 64), ["forward", "backward"]].tolist() == [2.0, 4.0]
+    assert pd.isna(times.loc[(16, 64), "oom_phase"])
+    assert times.loc[(16, 128), "oom_phase"] == "backward" and math.isnan(times.loc[(16, 128), "backward"])
