@@ -17,8 +17,10 @@ MODEL_CODE = ("workload.py",)
 
 def code(*modules, view_only=VIEW_ONLY):
     """Source files a rule runs, as inputs, so that editing them makes the rule's results stale (except
-    view-only, above): `modules` and CLI_CODE."""
-    paths = [f"src/cs336_systems/{m}" for m in dict.fromkeys([*modules, *CLI_CODE])]
+    view-only, above). An experiment CLI (experiments/...) also runs CLI_CODE."""
+    if any(m.startswith("experiments/") for m in modules):
+        modules = (*modules, *CLI_CODE)
+    paths = [f"src/cs336_systems/{m}" for m in dict.fromkeys(modules)]
     return [ancient(path) for path in paths] if view_only else paths
 
 
