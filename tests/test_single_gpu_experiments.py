@@ -16,16 +16,14 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
+from cs336_systems import profiling
 from cs336_systems.attention_memory import naive_attention_memory
 from cs336_systems.experiments import attention_benchmark, memory_profile, mixed_precision, profile_model
 from cs336_systems.model import naive_attention
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-TINY_MODEL = [
-    "--size", "tiny", "--d-model", "32", "--d-ff", "64", "--num-layers", "2", "--num-heads", "4",
-    "--vocab-size", "101", "--batch-size", "2",
-]  # fmt: skip
+TINY_MODEL = ["--size", "tiny", "--batch-size", "2"]  # tiny: d_model 64, 4 heads (d_head 16), 2 layers
 
 
 # ---------------------------------------------------------------- mixed precision
@@ -106,11 +104,11 @@ def test_profile_rows_hold_timer_ranges_matmul_ops_and_attention_flops(tmp_path)
         assert kernels["name"].str.startswith("aten::").all()
         assert ("backward" in ranges.index) == (mode != "forward")
         assert ("optimizer_step" in ranges.index) == (mode == "train_step")
-        # FLOPs per step = per call (B=2, H=4, S=16, d_head=8) times the 2 layers.
+        # FLOPs per step = per call (B=2, H=4, S=16, d_head=16) times the 2 layers.
         squares = 2 * 4 * 16**2
-        assert ranges.loc["attention/scores", "flops_per_step"] == 2 * (2 * squares * 8)
+        assert ranges.loc["attention/scores", "flops_per_step"] == 2 * (2 * squares * 16)
         assert ranges.loc["attention/softmax", "flops_per_step"] == 2 * (5 * squares)
-        assert ranges.loc["attention/output", "flops_per_step"] == 2 * (2 * squares * 8)
+        assert ranges.loc["attention/output", "flops_per_step"] == 2 * (2 * squares * 16)
     # A forward pass runs 2 layers x (qkv, out, w1, w2, w3) + lm_head = 11 matrix products, backward twice that.
     forward_mm = rows[(rows["mode"] == "forward") & (rows["name"] == "aten::mm")]["count_per_step"].iloc[0]
     train_mm = rows[(rows["mode"] == "train_step") & (rows["name"] == "aten::mm")]["count_per_step"].iloc[0]
@@ -140,13 +138,13 @@ def test_cuda_kernels_are_attributed_to_ranges_by_launch_time():
         _event("softmax_warp_forward", 160, 170, device=cuda, linked=2),
         _event("nvjet_tst_128x64", 310, 350, device=cuda, linked=3),  # runs after the backward range ended
     ]
-    ranges = {r["name"]: r for r in profile_model.range_rows(events, steps=1, on_cuda=True)}
+    ranges = {r["name"]: r for r in profiling.range_rows(events, steps=1, on_cuda=True)}
     assert ranges["forward"]["device_busy_ms_per_step"] == pytest.approx(0.110)
     assert ranges["forward"]["device_span_ms_per_step"] == pytest.approx(0.110)
     assert ranges["backward"]["device_busy_ms_per_step"] == pytest.approx(0.040)
     assert ranges["backward"]["time_ms_per_step"] == pytest.approx(0.040)
     assert ranges["backward"]["cpu_ms_per_step"] == pytest.approx(0.200)
-    kernels = {r["name"]: r for r in profile_model.kernel_rows(events, steps=2, on_cuda=True)}
+    kernels = {r["name"]: r for r in profiling.kernel_rows(events, steps=2, on_cuda=True)}
     assert set(kernels) == {"sm90_xmma_gemm_f32", "softmax_warp_forward", "nvjet_tst_128x64"}
     assert kernels["sm90_xmma_gemm_f32"]["is_matmul"] and kernels["nvjet_tst_128x64"]["is_matmul"]
     assert not kernels["softmax_warp_forward"]["is_matmul"]
@@ -176,7 +174,7 @@ def test_nsys_flag_reexecutes_under_nsys_when_it_is_on_the_path(tmp_path, monkey
     )
     nsys.chmod(nsys.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delenv(profile_model.UNDER_NSYS, raising=False)
+    monkeypatch.delenv(profiling.UNDER_NSYS, raising=False)
     out = tmp_path / "profile.csv"
     profile_model.main([
         *TINY_MODEL, "--context-lengths", "8", "--modes", "forward", "--warmup", "0", "--steps", "1",
@@ -218,8 +216,8 @@ def test_memory_profile_without_cuda_writes_skipped_rows_and_the_residual_size(t
     assert len(peak) == 2 * 2 * 2  # contexts x modes x precisions
     assert (peak["status"] == "skipped").all() and (peak["reason"] == "needs CUDA").all()
     residual = rows[rows["record"] == "residual_activation"].set_index("context_length")
-    assert residual.loc[128, "bytes"] == 2 * 128 * 32 * 4
-    assert residual.loc[128, "mib"] == pytest.approx(2 * 128 * 32 * 4 / 2**20)
+    assert residual.loc[128, "bytes"] == 2 * 128 * 64 * 4
+    assert residual.loc[128, "mib"] == pytest.approx(2 * 128 * 64 * 4 / 2**20)
     allocations = pd.read_csv(tmp_path / "memory_largest_allocations.csv")
     assert list(allocations["status"]) == ["skipped"]
 
