@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
-from cs336_systems import profiling
+from cs336_systems import cuda_memory, profiling
 from cs336_systems.attention_memory import naive_attention_memory
 from cs336_systems.experiments import attention_benchmark, memory_profile, mixed_precision, profile_model
 from cs336_systems.model import naive_attention
@@ -248,18 +248,18 @@ SYNTHETIC_SNAPSHOT = {
 
 
 def test_active_timeline_and_largest_allocations_from_a_snapshot(tmp_path):
-    timeline = memory_profile.active_timeline(SYNTHETIC_SNAPSHOT, 0)
+    timeline = cuda_memory.active_timeline(SYNTHETIC_SNAPSHOT, 0)
     assert timeline == [1000, 1100, 1400, 1300, 1350]
-    top = memory_profile.largest_allocations(SYNTHETIC_SNAPSHOT, top=2)
+    top = cuda_memory.largest_allocations(SYNTHETIC_SNAPSHOT, top=2)
     assert [r["size_bytes"] for r in top] == [300, 100]
     assert top[0]["origin"] == "model.py:150 forward"
     assert top[0]["stack"] == "model.py:150 forward <- workload.py:70 loss"
     assert top[1]["origin"] is None
     png = tmp_path / "timeline.png"
-    memory_profile.plot_timeline(timeline, "synthetic", png)
+    cuda_memory.plot_timeline(timeline, "synthetic", png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="device_traces"):
-        memory_profile.active_timeline(SYNTHETIC_SNAPSHOT, 3)
+        cuda_memory.active_timeline(SYNTHETIC_SNAPSHOT, 3)
 
 
 @needs_cuda
