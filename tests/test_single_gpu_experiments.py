@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
-from cs336_systems import cuda_memory, profiling
+from cs336_systems import attention_timing, cuda_memory, profiling
 from cs336_systems.attention_memory import naive_attention_memory
 from cs336_systems.experiments import attention_benchmark, memory_profile, mixed_precision, profile_model
 from cs336_systems.model import naive_attention
@@ -306,7 +306,7 @@ def test_compiled_attention_matches_float64_reference_and_runs_in_the_benchmark(
         torch.ones(16, 16).triu(1).bool(), -math.inf
     )
     reference = torch.softmax(scores, dim=-1) @ v
-    compiled = attention_benchmark.attention_fn("compiled")
+    compiled = attention_timing.attention_variant("compiled")
     torch.testing.assert_close(
         compiled(q.float(), k.float(), v.float()), reference.float(), rtol=1e-5, atol=1e-5
     )
@@ -325,7 +325,7 @@ def test_attention_out_of_memory_in_backward_keeps_forward_rows(tmp_path, monkey
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
-    monkeypatch.setattr(attention_benchmark, "time_backward", no_memory)
+    monkeypatch.setattr(attention_timing, "time_backward", no_memory)
     out = tmp_path / "attention.csv"
     attention_benchmark.main(["--batch-size", "1", "--head-dims", "4", "--seq-lens", "8", "--warmup", "0",
                               "--passes", "2", "--device", "cpu", "--out", str(out)])  # fmt: skip
