@@ -20,13 +20,7 @@ from cs336_systems.provenance import write_rows
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
-    cli.add_model_args(p)
-    cli.add_device(p)
-    p.add_argument("--context-lengths", type=cli.positive_int, nargs="+", required=True)
-    p.add_argument("--modes", nargs="+", choices=workload.MODES, default=list(workload.MODES))
-    p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="untimed steps before measuring")
-    p.add_argument("--steps", type=cli.positive_int, default=10, help="timed steps")
-    p.add_argument("--autocast", choices=sorted(workload.AUTOCAST), default="none")
+    cli.add_step_sweep_args(p, warmup=5, steps=10, measured="timed")
     p.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
     return p.parse_args(argv)
 

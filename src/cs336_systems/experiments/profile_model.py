@@ -31,13 +31,7 @@ from cs336_systems.provenance import write_rows
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
-    cli.add_model_args(p)
-    cli.add_device(p)
-    p.add_argument("--context-lengths", type=cli.positive_int, nargs="+", required=True)
-    p.add_argument("--modes", nargs="+", choices=workload.MODES, default=list(workload.MODES))
-    p.add_argument("--warmup", type=cli.nonnegative_int, default=3, help="steps before the profiled window")
-    p.add_argument("--steps", type=cli.positive_int, default=3, help="profiled steps")
-    p.add_argument("--autocast", choices=sorted(workload.AUTOCAST), default="none")
+    cli.add_step_sweep_args(p, warmup=3, steps=3, measured="profiled")
     p.add_argument("--trace-dir", help="folder for Chrome/Perfetto traces (and the nsys report)")
     p.add_argument("--nsys", action="store_true", help="re-run under `nsys profile` when nsys is on the PATH")
     return p.parse_args(argv)
