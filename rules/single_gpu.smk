@@ -6,7 +6,9 @@ MIXED = R["mixed_precision"]
 MEMORY = R["memory"]
 ATTENTION_GRID = R["attention"]
 COMPILE = R["compile"]
-NAIVE_ATTENTION_CODE = code("experiments/attention_benchmark.py", "attention_memory.py")
+NAIVE_ATTENTION_CODE = code(
+    "experiments/attention_benchmark.py", "attention_timing.py", "attention_memory.py", "cuda_memory.py"
+)
 # The e2e CLI as §1.1.5 (c) and §1.3.1 (b) run it: two variants of one size in the same job.
 E2E_PAIR = ("python -m cs336_systems.experiments.e2e_benchmark --size {wildcards.size} "
             "--batch-size {params.batch_size} --context-lengths {params.contexts} --warmup {params.warmup} "
@@ -15,7 +17,7 @@ E2E_PAIR = ("python -m cs336_systems.experiments.e2e_benchmark --size {wildcards
 
 rule profile_model:
     input:
-        code("experiments/profile_model.py", *MODEL_CODE),
+        code("experiments/profile_model.py", "profiling.py", *MODEL_CODE),
     output:
         csv=report(f"{RESULTS}/profile/{{size}}.csv", caption="report/profile.rst", category="Results",
                    subcategory="1.1.4 Profiling"),
@@ -46,7 +48,7 @@ rule profile_model:
 # A CPU-only toy (float accumulation), whatever the run's device.
 rule mixed_precision_accumulation:
     input:
-        code("experiments/mixed_precision.py", "toy_model.py"),
+        code("experiments/mixed_precision.py", "precision.py", "toy_model.py"),
     output:
         csv=report(f"{RESULTS}/mixed_precision/accumulation.csv", caption="report/mixed_precision.rst",
                    category="Results", subcategory="1.1.5 Mixed precision"),
@@ -64,7 +66,7 @@ rule mixed_precision_accumulation:
 
 rule mixed_precision_autocast_dtypes:
     input:
-        code("experiments/mixed_precision.py", "toy_model.py"),
+        code("experiments/mixed_precision.py", "precision.py", "toy_model.py"),
     output:
         csv=report(f"{RESULTS}/mixed_precision/autocast_dtypes.csv", caption="report/mixed_precision.rst",
                    category="Results", subcategory="1.1.5 Mixed precision"),
@@ -118,7 +120,7 @@ rule mixed_precision_e2e:
 
 rule memory_profile:
     input:
-        code("experiments/memory_profile.py", *MODEL_CODE),
+        code("experiments/memory_profile.py", "cuda_memory.py", *MODEL_CODE),
     output:
         peaks=report(f"{RESULTS}/memory/peaks.csv", caption="report/memory.rst", category="Results",
                      subcategory="1.1.6 Memory profiling"),

@@ -86,7 +86,9 @@ def test_a_training_step_synchronises_gradients_between_backward_and_the_optimiz
     model, optimizer = workload.build(cfg, torch.device("cpu"))
     seen = []
     step = workload.TrainingStep(
-        model, optimizer, workload.random_batch(cfg, 2, torch.device("cpu")),
+        model,
+        optimizer,
+        workload.random_batch(cfg, 2, torch.device("cpu")),
         sync_gradients=lambda: seen.append([p.grad.clone() for p in model.parameters()]),
     )
     before = [p.detach().clone() for p in model.parameters()]
@@ -178,3 +180,38 @@ def test_provenance_names_the_commit_given_by_the_environment(monkeypatch):
     assert provenance.collect()["git_commit"] == "0123abc"
     monkeypatch.delenv("CS336_GIT_COMMIT")
     assert provenance.collect()["git_commit"] != "0123abc"
+
+
+def test_a_sweep_cell_gives_its_rows_or_its_oom_rows_and_frees_memory(monkeypatch, capsys):
+    from cs336_systems import benchmarking
+
+    freed = []
+    monkeypatch.setattr(benchmarking, "free_memory", lambda: freed.append(True))
+
+    def no_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    assert benchmarking.rows_or_oom("t", "cell 1", lambda: [{"a": 1}], lambda: [{"a": "OOM"}]) == [{"a": 1}]
+    assert benchmarking.rows_or_oom("t", "cell 2", no_memory, lambda: [{"a": "OOM"}]) == [{"a": "OOM"}]
+    with pytest.raises(ZeroDivisionError):
+        benchmarking.rows_or_oom("t", "cell 3", lambda: 1 / 0, lambda: [])
+    assert freed == [True, True, True]
+    err = capsys.readouterr().err
+    assert "[t] cell 2 ..." in err and "[t]   OOM: CUDA out of memory. Tried to allocate 2.00 GiB\n" in err
+
+
+def test_each_cell_gets_a_fresh_seeded_training_step():
+    from cs336_systems import workload
+    from cs336_systems.model import ModelConfig
+
+    cfg = ModelConfig.from_name("tiny", context_length=8)
+    cpu = torch.device("cpu")
+    first, again = (workload.training_step(cfg, 2, cpu, torch.bfloat16, seed=3) for _ in range(2))
+    other = workload.training_step(cfg, 2, cpu, seed=4)
+    assert first.model is not again.model and first.autocast_dtype == torch.bfloat16
+    assert torch.equal(first.batch[0], again.batch[0]) and first.batch[0].shape == (2, 8)
+    assert all(
+        torch.equal(a, b) for a, b in zip(first.model.parameters(), again.model.parameters(), strict=True)
+    )
+    assert not torch.equal(first.batch[0], other.batch[0])
+    assert set(first.optimizer.param_groups[0]["params"]) == set(first.model.parameters())

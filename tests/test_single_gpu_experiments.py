@@ -9,23 +9,19 @@ import math
 import os
 import stat
 from pathlib import Path
-from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 import torch
-from torch.autograd import DeviceType
 
+from cs336_systems import attention_timing, profiling
 from cs336_systems.attention_memory import naive_attention_memory
 from cs336_systems.experiments import attention_benchmark, memory_profile, mixed_precision, profile_model
 from cs336_systems.model import naive_attention
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-TINY_MODEL = [
-    "--size", "tiny", "--d-model", "32", "--d-ff", "64", "--num-layers", "2", "--num-heads", "4",
-    "--vocab-size", "101", "--batch-size", "2",
-]  # fmt: skip
+TINY_MODEL = ["--size", "tiny", "--batch-size", "2"]  # tiny: d_model 64, 4 heads (d_head 16), 2 layers
 
 
 # ---------------------------------------------------------------- mixed precision
@@ -106,11 +102,11 @@ def test_profile_rows_hold_timer_ranges_matmul_ops_and_attention_flops(tmp_path)
         assert kernels["name"].str.startswith("aten::").all()
         assert ("backward" in ranges.index) == (mode != "forward")
         assert ("optimizer_step" in ranges.index) == (mode == "train_step")
-        # FLOPs per step = per call (B=2, H=4, S=16, d_head=8) times the 2 layers.
+        # FLOPs per step = per call (B=2, H=4, S=16, d_head=16) times the 2 layers.
         squares = 2 * 4 * 16**2
-        assert ranges.loc["attention/scores", "flops_per_step"] == 2 * (2 * squares * 8)
+        assert ranges.loc["attention/scores", "flops_per_step"] == 2 * (2 * squares * 16)
         assert ranges.loc["attention/softmax", "flops_per_step"] == 2 * (5 * squares)
-        assert ranges.loc["attention/output", "flops_per_step"] == 2 * (2 * squares * 8)
+        assert ranges.loc["attention/output", "flops_per_step"] == 2 * (2 * squares * 16)
     # A forward pass runs 2 layers x (qkv, out, w1, w2, w3) + lm_head = 11 matrix products, backward twice that.
     forward_mm = rows[(rows["mode"] == "forward") & (rows["name"] == "aten::mm")]["count_per_step"].iloc[0]
     train_mm = rows[(rows["mode"] == "train_step") & (rows["name"] == "aten::mm")]["count_per_step"].iloc[0]
@@ -118,40 +114,6 @@ def test_profile_rows_hold_timer_ranges_matmul_ops_and_attention_flops(tmp_path)
     for mode in ("forward", "forward_backward", "train_step"):
         trace = json.loads((traces / f"trace_tiny_16_{mode}.json").read_text())
         assert any(e.get("name") == "forward" for e in trace["traceEvents"])
-
-
-def _event(name, start, end, device=DeviceType.CPU, id=0, linked=0, annotation=False):
-    interval = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
-    return SimpleNamespace(name=name, time_range=interval, device_type=device, id=id,
-                           linked_correlation_id=linked, is_user_annotation=annotation)  # fmt: skip
-
-
-def test_cuda_kernels_are_attributed_to_ranges_by_launch_time():
-    """Fake CUDA events: backward kernels are launched by ops on another thread and run after the CPU range."""
-    cuda = DeviceType.CUDA
-    events = [
-        _event("forward", 0, 100, annotation=True),
-        _event("aten::mm", 10, 20, id=1),
-        _event("aten::_softmax", 30, 40, id=2),
-        _event("backward", 100, 300, annotation=True),
-        _event("aten::mm", 150, 160, id=3),  # autograd thread, inside the backward window
-        _event("forward", 50, 400, device=cuda, annotation=True),  # GPU-side annotation: not a kernel
-        _event("sm90_xmma_gemm_f32", 60, 160, device=cuda, linked=1),
-        _event("softmax_warp_forward", 160, 170, device=cuda, linked=2),
-        _event("nvjet_tst_128x64", 310, 350, device=cuda, linked=3),  # runs after the backward range ended
-    ]
-    ranges = {r["name"]: r for r in profile_model.range_rows(events, steps=1, on_cuda=True)}
-    assert ranges["forward"]["device_busy_ms_per_step"] == pytest.approx(0.110)
-    assert ranges["forward"]["device_span_ms_per_step"] == pytest.approx(0.110)
-    assert ranges["backward"]["device_busy_ms_per_step"] == pytest.approx(0.040)
-    assert ranges["backward"]["time_ms_per_step"] == pytest.approx(0.040)
-    assert ranges["backward"]["cpu_ms_per_step"] == pytest.approx(0.200)
-    kernels = {r["name"]: r for r in profile_model.kernel_rows(events, steps=2, on_cuda=True)}
-    assert set(kernels) == {"sm90_xmma_gemm_f32", "softmax_warp_forward", "nvjet_tst_128x64"}
-    assert kernels["sm90_xmma_gemm_f32"]["is_matmul"] and kernels["nvjet_tst_128x64"]["is_matmul"]
-    assert not kernels["softmax_warp_forward"]["is_matmul"]
-    assert kernels["sm90_xmma_gemm_f32"]["count_per_step"] == 0.5
-    assert kernels["sm90_xmma_gemm_f32"]["share"] == pytest.approx(100 / 150)
 
 
 def test_profile_out_of_memory_becomes_an_oom_row(tmp_path, monkeypatch):
@@ -176,7 +138,7 @@ def test_nsys_flag_reexecutes_under_nsys_when_it_is_on_the_path(tmp_path, monkey
     )
     nsys.chmod(nsys.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.delenv(profile_model.UNDER_NSYS, raising=False)
+    monkeypatch.delenv(profiling.UNDER_NSYS, raising=False)
     out = tmp_path / "profile.csv"
     profile_model.main([
         *TINY_MODEL, "--context-lengths", "8", "--modes", "forward", "--warmup", "0", "--steps", "1",
@@ -218,50 +180,10 @@ def test_memory_profile_without_cuda_writes_skipped_rows_and_the_residual_size(t
     assert len(peak) == 2 * 2 * 2  # contexts x modes x precisions
     assert (peak["status"] == "skipped").all() and (peak["reason"] == "needs CUDA").all()
     residual = rows[rows["record"] == "residual_activation"].set_index("context_length")
-    assert residual.loc[128, "bytes"] == 2 * 128 * 32 * 4
-    assert residual.loc[128, "mib"] == pytest.approx(2 * 128 * 32 * 4 / 2**20)
+    assert residual.loc[128, "bytes"] == 2 * 128 * 64 * 4
+    assert residual.loc[128, "mib"] == pytest.approx(2 * 128 * 64 * 4 / 2**20)
     allocations = pd.read_csv(tmp_path / "memory_largest_allocations.csv")
     assert list(allocations["status"]) == ["skipped"]
-
-
-def _frame(filename, line, name):
-    return {"filename": filename, "line": line, "name": name}
-
-
-SYNTHETIC_SNAPSHOT = {
-    # 1000 bytes were live before recording; at the end 1000 + 300 + 50 are.
-    "segments": [{"device": 0, "blocks": [
-        {"size": 1000, "state": "active_allocated"}, {"size": 300, "state": "active_allocated"},
-        {"size": 50, "state": "active_allocated"}, {"size": 100, "state": "inactive"},
-    ]}],
-    "device_traces": [[
-        {"action": "segment_alloc", "addr": 0, "size": 4096, "frames": []},
-        {"action": "alloc", "addr": 1, "size": 100, "frames": [_frame("/x/torch/nn/functional.py", 1, "linear")]},
-        {"action": "alloc", "addr": 2, "size": 300, "frames": [
-            _frame("/x/torch/nn/modules/linear.py", 125, "forward"),
-            _frame("/x/src/cs336_systems/model.py", 150, "forward"),
-            _frame("/x/src/cs336_systems/workload.py", 70, "loss"),
-        ]},
-        {"action": "free_requested", "addr": 1, "size": 100, "frames": []},
-        {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
-        {"action": "alloc", "addr": 3, "size": 50, "frames": []},
-    ]],
-}  # fmt: skip
-
-
-def test_active_timeline_and_largest_allocations_from_a_snapshot(tmp_path):
-    timeline = memory_profile.active_timeline(SYNTHETIC_SNAPSHOT, 0)
-    assert timeline == [1000, 1100, 1400, 1300, 1350]
-    top = memory_profile.largest_allocations(SYNTHETIC_SNAPSHOT, top=2)
-    assert [r["size_bytes"] for r in top] == [300, 100]
-    assert top[0]["origin"] == "model.py:150 forward"
-    assert top[0]["stack"] == "model.py:150 forward <- workload.py:70 loss"
-    assert top[1]["origin"] is None
-    png = tmp_path / "timeline.png"
-    memory_profile.plot_timeline(timeline, "synthetic", png)
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    with pytest.raises(ValueError, match="device_traces"):
-        memory_profile.active_timeline(SYNTHETIC_SNAPSHOT, 3)
 
 
 @needs_cuda
@@ -308,7 +230,7 @@ def test_compiled_attention_matches_float64_reference_and_runs_in_the_benchmark(
         torch.ones(16, 16).triu(1).bool(), -math.inf
     )
     reference = torch.softmax(scores, dim=-1) @ v
-    compiled = attention_benchmark.attention_fn("compiled")
+    compiled = attention_timing.attention_variant("compiled")
     torch.testing.assert_close(
         compiled(q.float(), k.float(), v.float()), reference.float(), rtol=1e-5, atol=1e-5
     )
@@ -327,7 +249,7 @@ def test_attention_out_of_memory_in_backward_keeps_forward_rows(tmp_path, monkey
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
 
-    monkeypatch.setattr(attention_benchmark, "time_backward", no_memory)
+    monkeypatch.setattr(attention_timing, "time_backward", no_memory)
     out = tmp_path / "attention.csv"
     attention_benchmark.main(["--batch-size", "1", "--head-dims", "4", "--seq-lens", "8", "--warmup", "0",
                               "--passes", "2", "--device", "cpu", "--out", str(out)])  # fmt: skip
@@ -336,11 +258,42 @@ def test_attention_out_of_memory_in_backward_keeps_forward_rows(tmp_path, monkey
     assert list(rows["status"]) == ["ok", "ok", "OOM"]
 
 
-def test_attention_flags_are_validated():
+@pytest.mark.parametrize(
+    "cli, flags, message",
+    [
+        (attention_benchmark, ["--seq-lens", "0"], "argument --seq-lens: must be >= 1, got 0"),
+        (attention_benchmark, ["--passes", "0"], "argument --passes: must be >= 1, got 0"),
+        (attention_benchmark, ["--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+        (profile_model, [*TINY_MODEL, "--context-lengths", "0"], "argument --context-lengths: must be >= 1"),
+        (
+            profile_model,
+            [*TINY_MODEL, "--context-lengths", "8", "--steps", "0"],
+            "argument --steps: must be >= 1",
+        ),
+        (
+            memory_profile,
+            [*TINY_MODEL, "--context-lengths", "8", "--top", "0"],
+            "argument --top: must be >= 1",
+        ),
+        (
+            memory_profile,
+            [*TINY_MODEL, "--context-lengths", "8"],
+            "the following arguments are required: --snap",
+        ),
+        (
+            mixed_precision,
+            ["autocast-dtypes", "--device", "gpu0"],
+            "argument --device: 'gpu0' is not a device",
+        ),
+        (mixed_precision, ["rounding"], "argument command: invalid choice: 'rounding'"),
+    ],
+)
+def test_bad_flags_fail_before_any_work(cli, flags, message, tmp_path, capsys):
+    out = tmp_path / "x.csv"
     with pytest.raises(SystemExit):
-        attention_benchmark.parse_args(["--seq-lens", "0", "--out", "x.csv"])
-    with pytest.raises(SystemExit):
-        attention_benchmark.parse_args(["--passes", "0", "--out", "x.csv"])
+        cli.main([*flags, "--out", str(out)])
+    assert message in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(

@@ -95,3 +95,24 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{name!r}: CUDA is not available on this machine")
     return device
+
+
+def rows_or_oom(
+    tag: str, cell: str, measure: Callable[[], list[dict]], oom_rows: Callable[[], list[dict]]
+) -> list[dict]:
+    """One cell of a sweep: the rows `measure()` gives, or, when it runs out of memory, the rows `oom_rows()`
+    gives (called before memory is freed, so it can still read the allocator's peaks); any other error
+    propagates. Progress and the OOM go to stderr as `[tag] cell ...`; memory is freed afterwards either way,
+    so the next cell starts clean."""
+    import sys
+
+    print(f"[{tag}] {cell} ...", file=sys.stderr, flush=True)
+    try:
+        return measure()
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        print(f"[{tag}]   OOM: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        return oom_rows()
+    finally:
+        free_memory()

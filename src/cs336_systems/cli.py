@@ -70,3 +70,18 @@ def params(args: argparse.Namespace) -> dict:
     if getattr(args, "size", None) in MODEL_SIZES:
         recorded.update(MODEL_SIZES[args.size], vocab_size=ModelConfig.vocab_size)
     return recorded
+
+
+def add_step_sweep_args(p: argparse.ArgumentParser, warmup: int, steps: int, measured: str = "timed") -> None:
+    """The flags of a sweep that measures the Transformer's step (workload.MODES) per context length: the model
+    and device flags, `--context-lengths`, `--modes`, `--warmup` and `--steps` (`measured` says how the steps
+    are measured), `--autocast`."""
+    from cs336_systems import workload  # only the CLIs that run the workload need it (and list it as code)
+
+    add_model_args(p)
+    add_device(p)
+    p.add_argument("--context-lengths", type=positive_int, nargs="+", required=True)
+    p.add_argument("--modes", nargs="+", choices=workload.MODES, default=list(workload.MODES))
+    p.add_argument("--warmup", type=nonnegative_int, default=warmup, help=f"steps before the {measured} ones")
+    p.add_argument("--steps", type=positive_int, default=steps, help=f"{measured} steps")
+    p.add_argument("--autocast", choices=sorted(workload.AUTOCAST), default="none")

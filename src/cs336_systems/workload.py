@@ -109,3 +109,18 @@ def build(
         torch.compiler.reset()
         model = torch.compile(model, dynamic=False)
     return model, optimizer
+
+
+def training_step(
+    cfg: ModelConfig,
+    batch_size: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+    compile: bool = False,
+    seed: int = 0,
+) -> TrainingStep:
+    """A fresh model of `cfg` (seeded, optionally compiled), its AdamW and a random batch, as one TrainingStep:
+    how every cell of a single-GPU sweep starts, so that cells do not share state."""
+    torch.manual_seed(seed)
+    model, optimizer = build(cfg, device, compile=compile)
+    return TrainingStep(model, optimizer, random_batch(cfg, batch_size, device), autocast_dtype)

@@ -9,68 +9,59 @@ costs, torch.compile's compilation above all.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
 from cs336_systems import cli, workload
-from cs336_systems.benchmarking import free_memory, is_oom, resolve_device, time_steps
+from cs336_systems.benchmarking import resolve_device, rows_or_oom, time_steps
+from cs336_systems.model import ModelConfig
 from cs336_systems.provenance import write_rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
-    cli.add_model_args(p)
-    cli.add_device(p)
-    p.add_argument("--context-lengths", type=cli.positive_int, nargs="+", required=True)
-    p.add_argument("--modes", nargs="+", choices=workload.MODES, default=list(workload.MODES))
-    p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="untimed steps before measuring")
-    p.add_argument("--steps", type=cli.positive_int, default=10, help="timed steps")
-    p.add_argument("--autocast", choices=sorted(workload.AUTOCAST), default="none")
+    cli.add_step_sweep_args(p, warmup=5, steps=10, measured="timed")
     p.add_argument("--compile", action="store_true", help="wrap the model in torch.compile")
     return p.parse_args(argv)
 
 
+def cell_rows(args: argparse.Namespace, cfg: ModelConfig, mode: str, device: torch.device) -> list[dict]:
+    """One context length and mode: a row per timed step, or one `OOM` row."""
+    base = {
+        "size": args.size,
+        "context_length": cfg.context_length,
+        "batch_size": args.batch_size,
+        "mode": mode,
+        "warmup": args.warmup,
+        "autocast": args.autocast,
+        "compile": args.compile,
+        "attention": args.attention,
+    }
+
+    def measure() -> list[dict]:
+        autocast = workload.AUTOCAST[args.autocast]
+        training = workload.training_step(cfg, args.batch_size, device, autocast, args.compile, args.seed)
+        step = training.mode(mode)
+        # With no warm-up, the first step is the first timed one (the warm-up study wants exactly that).
+        first_ms = time_steps(step, 0, 1, device)[0] * 1e3 if args.warmup else None
+        times = time_steps(step, max(args.warmup - 1, 0), args.steps, device)
+        return [
+            {**base, "first_step_ms": first_ms, "step": i, "time_ms": t * 1e3, "status": "ok"}
+            for i, t in enumerate(times)
+        ]
+
+    oom = [{**base, "step": None, "time_ms": None, "status": "OOM"}]
+    return rows_or_oom("e2e", f"{args.size} ctx={cfg.context_length} {mode}", measure, lambda: oom)
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     device = resolve_device(args.device)
-    autocast_dtype = workload.AUTOCAST[args.autocast]
-    rows = []
-    for context_length in args.context_lengths:
-        cfg = cli.model_config(args, context_length)
-        for mode in args.modes:
-            base = {
-                "size": args.size,
-                "context_length": context_length,
-                "batch_size": args.batch_size,
-                "mode": mode,
-                "warmup": args.warmup,
-                "autocast": args.autocast,
-                "compile": args.compile,
-                "attention": args.attention,
-            }
-            print(f"[e2e] {args.size} ctx={context_length} {mode} ...", file=sys.stderr, flush=True)
-            torch.manual_seed(args.seed)
-            try:
-                model, optimizer = workload.build(cfg, device, compile=args.compile)
-                batch = workload.random_batch(cfg, args.batch_size, device)
-                step = workload.TrainingStep(model, optimizer, batch, autocast_dtype).mode(mode)
-                # With no warm-up, the first step is the first timed one (the warm-up study wants exactly that).
-                first_ms = time_steps(step, 0, 1, device)[0] * 1e3 if args.warmup else None
-                times = time_steps(step, max(args.warmup - 1, 0), args.steps, device)
-            except Exception as exc:  # noqa: BLE001 - only OOM is recorded, everything else re-raised
-                if not is_oom(exc):
-                    raise
-                rows.append({**base, "step": None, "time_ms": None, "status": "OOM"})
-                print(f"[e2e]   OOM: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
-            else:
-                rows += [
-                    {**base, "first_step_ms": first_ms, "step": i, "time_ms": t * 1e3, "status": "ok"}
-                    for i, t in enumerate(times)
-                ]
-            finally:
-                model = optimizer = batch = step = None
-                free_memory()
-    return rows
+    return [
+        row
+        for context_length in args.context_lengths
+        for mode in args.modes
+        for row in cell_rows(args, cli.model_config(args, context_length), mode, device)
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

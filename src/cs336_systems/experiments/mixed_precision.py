@@ -1,11 +1,12 @@
 """Mixed precision (spec §1.1.5): accumulation accuracy and the dtypes autocast produces in the toy model.
 
-Subcommands:
+Commands:
   accumulation     the four loops of ADDENDUM.md, each adding 0.01 a thousand times (exact answer 10);
                    one row per loop with its value and |error|.
-  autocast-dtypes  the ToyModel with float32 parameters run under torch.autocast; one row per quantity with
-                   the dtype observed (forward hooks, returned tensors, `.grad` after backward) per autocast
-                   dtype.
+  autocast-dtypes  the ToyModel with float32 parameters run under torch.autocast (`--dtypes`, on `--device`);
+                   one row per quantity with the dtype observed (forward hooks, returned tensors, `.grad`
+                   after backward) per autocast dtype.
+The measurements are cs336_systems.precision's.
 """
 
 from __future__ import annotations
@@ -13,129 +14,37 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 
+from cs336_systems import cli, precision
 from cs336_systems.benchmarking import resolve_device
 from cs336_systems.provenance import write_rows
-from cs336_systems.toy_model import ToyModel
 
-EXACT_SUM = 10.0
-ADDEND = 0.01
-STEPS = 1000
 AUTOCAST_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-# (variant, accumulator dtype, addend dtype, how the addend reaches the accumulator)
-ACCUMULATION_VARIANTS = (
-    (1, torch.float32, torch.float32, "same dtype"),
-    (2, torch.float16, torch.float16, "same dtype"),
-    (3, torch.float32, torch.float16, "type promotion"),
-    (4, torch.float32, torch.float16, "explicit cast to float32"),
-)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def accumulate(acc_dtype: torch.dtype, addend_dtype: torch.dtype, cast_to_acc: bool) -> torch.Tensor:
-    """Add ADDEND (stored as `addend_dtype`) STEPS times into a zero accumulator of `acc_dtype`."""
-    total = torch.tensor(0.0, dtype=acc_dtype)
-    addend = torch.tensor(ADDEND, dtype=addend_dtype)
-    for _ in range(STEPS):
-        total += addend.to(acc_dtype) if cast_to_acc else addend
-    return total
-
-
-def accumulation_rows() -> list[dict]:
-    rows = []
-    for variant, acc_dtype, addend_dtype, how in ACCUMULATION_VARIANTS:
-        total = accumulate(acc_dtype, addend_dtype, cast_to_acc=how.startswith("explicit"))
-        value = total.item()
-        rows.append(
-            {
-                "variant": variant,
-                "accumulator_dtype": dtype_name(acc_dtype),
-                "addend_dtype": dtype_name(addend_dtype),
-                "addend_cast": how,
-                "result_dtype": dtype_name(total.dtype),
-                "steps": STEPS,
-                "addend": ADDEND,
-                "value": value,
-                "abs_error": abs(value - EXACT_SUM),
-                "device": "cpu",
-            }
-        )
-    return rows
-
-
-def observe_autocast_dtypes(
-    device: torch.device,
-    autocast_dtype: torch.dtype,
-    seed: int = 0,
-    batch: int = 4,
-    in_features: int = 8,
-    out_features: int = 5,
-) -> list[dict]:
-    """One forward/backward of the ToyModel (float32 parameters) under autocast; the dtypes observed."""
-    torch.manual_seed(seed)
-    model = ToyModel(in_features, out_features).to(device)
-    observed: dict[str, tuple[set[torch.dtype], str]] = {}
-
-    def record(quantity: str, how: str):
-        return lambda module, inputs, output: observed.__setitem__(quantity, ({output.dtype}, how))
-
-    hooks = [
-        model.fc1.register_forward_hook(record("fc1 output", "forward hook on fc1")),
-        model.ln.register_forward_hook(record("layernorm output", "forward hook on ln")),
-        model.fc2.register_forward_hook(record("logits", "forward hook on fc2 (model output)")),
-    ]
-    x = torch.randn(batch, in_features, device=device)
-    targets = torch.randint(0, out_features, (batch,), device=device)
-    with torch.autocast(device.type, dtype=autocast_dtype):
-        observed["parameters"] = ({p.dtype for p in model.parameters()}, "inspection inside autocast")
-        loss = F.cross_entropy(model(x), targets)
-    observed["loss"] = ({loss.dtype}, "returned tensor")
-    loss.backward()
-    observed["gradients"] = ({p.grad.dtype for p in model.parameters()}, ".grad after backward")
-    for hook in hooks:
-        hook.remove()
-
-    order = ("parameters", "fc1 output", "layernorm output", "logits", "loss", "gradients")
-    return [
-        {
-            "device": device.type,
-            "autocast_dtype": dtype_name(autocast_dtype),
-            "quantity": quantity,
-            "dtype": ",".join(sorted(dtype_name(d) for d in observed[quantity][0])),
-            "observed_by": observed[quantity][1],
-        }
-        for quantity in order
-    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    acc = sub.add_parser("accumulation", help="the four accumulation loops")
-    acc.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
-    dt = sub.add_parser("autocast-dtypes", help="dtypes inside the ToyModel under autocast")
-    dt.add_argument("--dtypes", nargs="+", choices=sorted(AUTOCAST_DTYPES), default=["float16"])
-    dt.add_argument("--device", default="auto")
-    dt.add_argument("--seed", type=int, default=0)
-    dt.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
+    p = cli.parser(__doc__)
+    p.add_argument("command", choices=["accumulation", "autocast-dtypes"])
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=sorted(AUTOCAST_DTYPES),
+        default=["float16"],
+        help="autocast-dtypes: the dtypes to run",
+    )
+    cli.add_device(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.command == "accumulation":
-        rows = accumulation_rows()
+        rows = precision.accumulation_rows()
     else:
         device = resolve_device(args.device)
+        dtypes = [AUTOCAST_DTYPES[name] for name in args.dtypes]
         rows = [
-            row
-            for name in args.dtypes
-            for row in observe_autocast_dtypes(device, AUTOCAST_DTYPES[name], args.seed)
+            row for dtype in dtypes for row in precision.observe_autocast_dtypes(device, dtype, args.seed)
         ]
     write_rows(rows, args.out, vars(args))
 
