@@ -109,3 +109,9 @@ def build(
         torch.compiler.reset()
         model = torch.compile(model, dynamic=False)
     return model, optimizer
+
+
+def model_parameters(cfg: ModelConfig) -> list[torch.nn.Parameter]:
+    """The trainable parameters of the model of `cfg` on the meta device: their shapes and dtypes, no memory."""
+    with torch.device("meta"):
+        return [p for p in TransformerLM(cfg).parameters() if p.requires_grad]
