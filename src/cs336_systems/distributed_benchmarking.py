@@ -1,7 +1,8 @@
-"""What the multi-process benchmarks (DDP, optimizer state sharding) share beyond `benchmarking`: every rank's
-measurement gathered on rank 0 (an out-of-memory on any rank as one outcome), the columns that say what ran,
-and the tidy rows built from the ranks' measurements: the DDP benchmark's steps (the slowest rank's), the
-sharding benchmark's memory by phase beside the accounting's predictions."""
+"""What the multi-process benchmarks of the Transformer (DDP, optimizer state sharding) share beyond
+`benchmarking`: their model flags, every rank's measurement gathered on rank 0 (an out-of-memory on any rank as
+one outcome), the columns that say what ran, and the tidy rows built from the ranks' measurements: the DDP
+benchmark's steps (the slowest rank's), the sharding benchmark's memory by phase (PhaseMemory) beside the
+accounting's predictions."""
 
 from __future__ import annotations
 
