@@ -18,7 +18,8 @@ CHECK_CSV = f"{RESULTS}/naive_ddp/check.csv"
 DDP_CSV = f"{RESULTS}/ddp/benchmark.csv"
 TIMELINE_CSV = f"{RESULTS}/ddp_timeline/intervals.csv"
 SHARDING_CSV = f"{RESULTS}/sharding/benchmark.csv"
-DDP_REPORT = dict(caption="report/ddp.rst", category="Results", subcategory="2.2–2.3 Distributed data parallel training")
+DDP_REPORT = dict(caption="report/ddp.rst", category="Results",
+                  subcategory="2.2–2.3 Distributed data parallel training")
 
 
 def _of(setting, wildcards):
