@@ -78,3 +78,14 @@ def job(kind, gpu=0):
     """The resources of one process of `kind` (NEEDS) holding `gpu` GPUs: `resources: **job("model", GPU_JOB)`."""
     return dict(gpu=gpu, mem_mb=NEEDS[kind].mem_mb, runtime=NEEDS[kind].runtime)
 
+
+def ranks(nproc, backend):
+    """The resources of a job of `nproc` processes on `backend`, each a value or a function of the wildcards:
+    `resources: **ranks(2, "nccl")`. One GPU per rank with NCCL, none with gloo (ranks on CPUs); NEEDS["rank"]
+    memory per rank."""
+    value = lambda setting, wildcards: setting(wildcards) if callable(setting) else setting
+    return dict(
+        gpu=lambda w: gpus_needed(value(backend, w), int(value(nproc, w))),
+        mem_mb=lambda w: int(value(nproc, w)) * NEEDS["rank"].mem_mb,
+        runtime=NEEDS["rank"].runtime,
+    )

@@ -21,7 +21,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-TOY_MODEL = "--d-model 32 --d-ff 64 --num-layers 1 --num-heads 2 --vocab-size 50".split()
+TOY_MODEL = ["--size", "tiny"]
 CLIS = {
     "allreduce_benchmark": "--sizes-mb 0.01 0.5 --warmup 1 --iters 3".split(),
     "naive_ddp_check": "--steps 3".split(),

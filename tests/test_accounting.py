@@ -11,6 +11,7 @@ from cs336_systems.accounting import (
     data_parallel_communication,
     dtype_bytes,
     fsdp_tp_compute_bound_batch,
+    sharding_prediction,
     training_state_memory,
     values,
     xxl_fsdp_memory,
@@ -100,6 +101,22 @@ def test_data_parallel_communication_zero1_vs_ours() -> None:
     assert (got["ddp_psi_units"], got["zero1_psi_units"], got["sharded_psi_units"]) == (2, 2, 3)
 
 
+def test_sharding_prediction_per_variant_and_rank() -> None:
+    # Psi = 5 + 9 + 2 + 7 + 3 = 26 fp32 parameters: 104 bytes of parameters and of gradients, AdamW state 8 Psi
+    # = 208. balanced_partition on 2 ranks gives loads (14, 12): our shards hold 112 and 96 bytes of state.
+    numels = [5, 9, 2, 7, 3]
+    unsharded = sharding_prediction("unsharded", numels, rank=1, world_size=2)
+    # Ring all-reduce of the gradients: 2 (n-1)/n Psi * 4 = 104 bytes sent per rank.
+    assert unsharded == {"parameters": 104, "gradients": 104, "optimizer_state": 208, "communication": 104}
+    # Sharded: the all-reduce plus the exchange of updated parameters, (n-1)/n Psi * 4 = 52: 156.
+    assert sharding_prediction("sharded", numels, rank=0, world_size=2)["optimizer_state"] == 112
+    assert sharding_prediction("sharded", numels, rank=1, world_size=2) == {
+        "parameters": 104, "gradients": 104, "optimizer_state": 96, "communication": 156,
+    }  # fmt: skip
+    assert sharding_prediction("zero", numels, rank=1, world_size=2)["optimizer_state"] == 104  # the ideal half
+    assert sharding_prediction("sharded", numels, rank=0, world_size=1)["communication"] == 0  # nothing to send
+
+
 def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="d_model"):
         FFNStack(d_model=0)
@@ -111,7 +128,7 @@ def test_bad_input_is_named() -> None:
         training_state_memory([1], world_size=0)
 
 
-def test_communication_accounting_cli(tmp_path) -> None:
+def test_communication_accounting_cli(tmp_path, capsys) -> None:
     from cs336_systems.experiments import communication_accounting
     from cs336_systems.provenance import read_rows
 
@@ -126,3 +143,4 @@ def test_communication_accounting_cli(tmp_path) -> None:
     assert meta["params"]["x"] == 16 and meta["params"]["y"] == 4
     with pytest.raises(SystemExit):
         communication_accounting.main(["--out", str(out), "--y", "0"])
+    assert "argument --y: must be >= 1, got 0" in capsys.readouterr().err

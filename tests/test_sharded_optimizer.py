@@ -17,7 +17,8 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.accounting import balanced_partition
+from cs336_systems.model import ModelConfig
+from cs336_systems.partition import balanced_partition
 from cs336_systems.sharded_optimizer import ShardedOptimizer
 from tests import sharded_worker
 
@@ -92,7 +93,7 @@ def test_bad_arguments_are_named() -> None:
 def test_sharding_benchmark_cli_on_cpu(tmp_path: Path) -> None:
     """The benchmark at toy size under the launcher: every variant times, memory rows say why they are empty."""
     out = tmp_path / "sharding.csv"
-    model = ["--d-model", "32", "--d-ff", "64", "--num-layers", "1", "--num-heads", "2", "--vocab-size", "50"]
+    model = ["--size", "tiny"]
     run = ["--batch-size", "1", "--context-length", "8", "--warmup", "1", "--steps", "2", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m"]
@@ -105,9 +106,17 @@ def test_sharding_benchmark_cli_on_cpu(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-6000:]
     rows = pd.read_csv(out)
+    assert list(rows.columns) == [
+        "size", "d_model", "num_layers", "num_params", "batch_size_per_rank", "context_length", "world_size",
+        "backend", "device", "warmup", "variant", "rank", "phase", "step", "quantity", "value", "unit", "status",
+        "reason",
+    ]  # fmt: skip
+    assert set(rows["size"]) == {"tiny"} and set(rows["num_params"]) == {ModelConfig.from_name("tiny").num_parameters()}
     assert set(rows["variant"]) == {"unsharded", "sharded", "zero"} and set(rows["rank"]) == {0, 1}
     times = rows[rows["quantity"] == "iteration_ms"]
     assert len(times) == 3 * 2 * 2 and (times["value"] > 0).all()  # variants x ranks x steps
+    step_ms = rows[rows["quantity"] == "optimizer_step_ms"].set_index(["variant", "rank", "step"])["value"]
+    assert (step_ms < times.set_index(["variant", "rank", "step"])["value"]).all()  # a part of its iteration
     memory = rows[rows["quantity"] == "max_memory_allocated_bytes"]
     assert (memory["status"] == "skipped").all() and memory["value"].isna().all()
     assert (memory["reason"] == "no allocator statistics on CPU").all()

@@ -7,8 +7,9 @@
   optimizer state sharding (optimizer_state_sharding_accounting).
 - `data_parallel_communication`: bytes each rank sends per step for DDP, ZeRO stage 1 and our sharded
   optimizer.
+- `sharding_prediction`: both of the above for one rank of the sharding benchmark, as a dict.
 
-Each function returns a list of `Quantity` (name, value, unit, formula); `values(quantities)` gives a
+The others return a list of `Quantity` (name, value, unit, formula); `values(quantities)` gives a
 name -> value dict. Sizes are in bytes; "GB" means 10^9 bytes, as in accelerators' sizes (80 GB H100).
 """
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from cs336_systems.partition import balanced_partition
 
 DTYPE_BYTES = {
     "fp32": 4,
@@ -56,27 +59,6 @@ def _positive(**named: float) -> None:
     for name, value in named.items():
         if not value > 0:
             raise ValueError(f"{name} must be positive, got {value}")
-
-
-def balanced_partition(
-    sizes: list[int], world_size: int, loads: list[int] | None = None
-) -> tuple[list[int], list[int]]:
-    """Assign items to ranks, largest first, each to the least-loaded rank (lowest rank on ties).
-
-    `loads` are the ranks' sizes so far (for items added later); returns (owner of each item, new loads).
-    Deterministic, so every rank computes the same assignment. This is the rule `ShardedOptimizer` uses.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    loads = [0] * world_size if loads is None else list(loads)
-    if len(loads) != world_size:
-        raise ValueError(f"loads has {len(loads)} entries for world_size {world_size}")
-    owners = [0] * len(sizes)
-    for item in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        owners[item] = rank
-        loads[rank] += sizes[item]
-    return owners, loads
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -363,3 +345,23 @@ def data_parallel_communication(
             "sharded_bytes_per_rank", allreduce + allgather, "bytes", "(n-1)/n Psi (2 grad + param bytes)"
         ),
     ]
+
+
+def sharding_prediction(variant: str, param_numels: list[int], rank: int, world_size: int) -> dict[str, float]:
+    """What the sharding benchmark predicts for one rank: bytes of parameters, gradients and optimizer state
+    (`unsharded` AdamW; `sharded`, ours, this rank's `balanced_partition` share; `zero`, PyTorch's
+    ZeroRedundancyOptimizer, the ideal 1/world_size), and bytes the rank sends per step."""
+    memory = values(training_state_memory(param_numels, world_size))
+    state = {
+        "unsharded": memory["optimizer_state_bytes"],
+        "sharded": memory.get(f"sharded_optimizer_state_bytes_rank{rank}", 0.0),
+        "zero": memory["sharded_optimizer_state_bytes_ideal"],
+    }[variant]
+    comm = values(data_parallel_communication(sum(param_numels), world_size)) if world_size > 1 else {}
+    comm_key = "ddp_bytes_per_rank" if variant == "unsharded" else "sharded_bytes_per_rank"
+    return {
+        "parameters": memory["parameters_bytes"],
+        "gradients": memory["gradients_bytes"],
+        "optimizer_state": state,
+        "communication": comm.get(comm_key, 0.0),
+    }

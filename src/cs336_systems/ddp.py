@@ -4,9 +4,9 @@ Every wrapper broadcasts rank 0's parameters and buffers at construction and ave
 trainable parameters over ranks, so that a step on n/world_size examples per rank equals a single-process step
 on all n. One interface for all four:
 
-    ddp = BucketedDDP(model, bucket_size_mb=25)
+    ddp = BucketedDDP(model, bucket_size_mb=25)   # or by name: wrap("bucketed", model, 25)
     loss_fn(ddp(x), y).backward()
-    ddp.finish_gradient_synchronization()   # gradients are averaged after this returns
+    ddp.finish_gradient_synchronization()         # gradients are averaged after this returns
     optimizer.step()
 
 Move the model to its device before wrapping; the set of trainable parameters is fixed at construction. Each
@@ -262,3 +262,19 @@ class BucketedDDP(_DataParallel):
             bucket.work = None
             bucket.num_ready = 0
         self._next_launch = 0
+
+
+# Our wrappers by name, from naive to bucketed with overlap, in the order the experiments report them.
+WRAPPERS: dict[str, type[_DataParallel]] = {
+    "naive": NaiveDDP,
+    "flat": FlatDDP,
+    "overlap": OverlapIndividualDDP,
+    "bucketed": BucketedDDP,
+}
+
+
+def wrap(name: str, module: nn.Module, bucket_size_mb: float | None = None) -> _DataParallel:
+    """`module` wrapped by our wrapper `name` (WRAPPERS); `bucket_size_mb` is the bucketed wrapper's cap."""
+    if name not in WRAPPERS:
+        raise ValueError(f"unknown wrapper {name!r}; choose one of {list(WRAPPERS)}")
+    return BucketedDDP(module, bucket_size_mb) if name == "bucketed" else WRAPPERS[name](module)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cs336_systems.accounting import balanced_partition
+from cs336_systems.partition import balanced_partition
 
 # Upper bound on the receive buffer of one all-gather round; the send buffer is 1/world_size of it.
 GATHER_CHUNK_BYTES = 256 * 2**20

@@ -124,3 +124,9 @@ def training_step(
     torch.manual_seed(seed)
     model, optimizer = build(cfg, device, compile=compile)
     return TrainingStep(model, optimizer, random_batch(cfg, batch_size, device), autocast_dtype)
+
+
+def model_parameters(cfg: ModelConfig) -> list[torch.nn.Parameter]:
+    """The trainable parameters of the model of `cfg` on the meta device: their shapes and dtypes, no memory."""
+    with torch.device("meta"):
+        return [p for p in TransformerLM(cfg).parameters() if p.requires_grad]

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-from cs336_systems.benchmarking import summarize, sync
+from cs336_systems import cli
+from cs336_systems.benchmarking import summarize, time_phases
 from cs336_systems.distributed import BACKENDS, distributed, gather_to_rank0
 from cs336_systems.provenance import write_rows
 
@@ -27,37 +27,22 @@ BYTES_PER_MB = 2**20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--backend", choices=BACKENDS, required=True, help="gloo all-reduces CPU tensors, nccl GPU ones"
-    )
-    p.add_argument(
-        "--sizes-mb", type=float, nargs="+", default=[1, 10, 100, 1000], help="tensor sizes in MiB"
-    )
-    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per size")
-    p.add_argument("--iters", type=int, default=20, help="timed iterations per size")
-    p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
-    args = p.parse_args(argv)
-    if any(s <= 0 for s in args.sizes_mb):
-        p.error(f"--sizes-mb must be positive, got {args.sizes_mb}")
-    if args.warmup < 0 or args.iters < 1:
-        p.error(f"--warmup must be >= 0 and --iters >= 1, got {args.warmup} and {args.iters}")
-    return args
+    p = cli.parser(__doc__, seed=False)
+    p.add_argument("--backend", choices=BACKENDS, required=True, help="gloo all-reduces CPU tensors, nccl GPU ones")
+    p.add_argument("--sizes-mb", type=cli.positive_float, nargs="+", default=[1, 10, 100, 1000], help="in MiB")
+    p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="untimed iterations per size")
+    p.add_argument("--iters", type=cli.positive_int, default=20, help="timed iterations per size")
+    return p.parse_args(argv)
 
 
 def time_all_reduce(tensor: torch.Tensor, warmup: int, iters: int) -> list[float]:
     """This rank's seconds for each timed all-reduce of `tensor`."""
-    times = []
-    for i in range(warmup + iters):
-        dist.barrier()  # start together, so a rank's time is the collective's, not its wait for late peers
-        sync(tensor.device)
-        start = time.perf_counter()
-        dist.all_reduce(tensor)
-        sync(tensor.device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-        tensor.div_(dist.get_world_size())  # keep the values bounded; outside the timed region
-    return times
+    phases = {
+        "barrier": dist.barrier,  # start together, so a rank's time is the collective's, not its wait for late peers
+        "all_reduce": lambda: dist.all_reduce(tensor),
+        "rescale": lambda: tensor.div_(dist.get_world_size()),  # keep the values bounded, outside the timed phase
+    }
+    return [step["all_reduce"] for step in time_phases(phases, warmup, iters, tensor.device)]
 
 
 def run(args: argparse.Namespace, device: torch.device) -> list[dict]:

@@ -10,33 +10,28 @@ from __future__ import annotations
 
 import argparse
 
+from cs336_systems import cli
 from cs336_systems.accounting import FFNStack, fsdp_tp_compute_bound_batch, xxl_fsdp_memory, xxl_memory
 from cs336_systems.provenance import write_rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--d-model", type=int, default=16384)
-    p.add_argument("--d-ff", type=int, default=53248)
-    p.add_argument("--num-blocks", type=int, default=126)
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per device for the activation memory")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence for the activation memory")
-    p.add_argument("--h100-memory-gb", type=float, default=80.0, help="(a) memory of one H100, 10^9 bytes")
-    p.add_argument(
-        "--tpu-v5p-memory-gb", type=float, default=95.0, help="(b) memory of one TPU v5p, 10^9 bytes"
-    )
-    p.add_argument("--ici-bandwidth-bytes-per-s", type=float, default=2 * 9e10, help="(c) W_ici")
-    p.add_argument("--flops-per-s", type=float, default=4.6e14, help="(c) C, bf16 FLOP/s per chip")
-    p.add_argument("--x", type=int, default=16, help="(c) X, devices on the FSDP axis")
-    p.add_argument("--y", type=int, default=4, help="(c) Y, devices on the tensor-parallel axis")
-    p.add_argument("--m-x", type=int, default=2, help="(c) M_X, mesh axes of the FSDP dimension")
-    p.add_argument("--m-y", type=int, default=1, help="(c) M_Y, mesh axes of the tensor-parallel dimension")
-    p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
-    args = p.parse_args(argv)
-    for name, value in vars(args).items():
-        if name != "out" and not value > 0:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {value}")
-    return args
+    p = cli.parser(__doc__, seed=False)
+    integer, number = cli.positive_int, cli.positive_float
+    p.add_argument("--d-model", type=integer, default=16384)
+    p.add_argument("--d-ff", type=integer, default=53248)
+    p.add_argument("--num-blocks", type=integer, default=126)
+    p.add_argument("--batch-size", type=integer, default=4, help="sequences per device for the activation memory")
+    p.add_argument("--seq-len", type=integer, default=1024, help="tokens per sequence for the activation memory")
+    p.add_argument("--h100-memory-gb", type=number, default=80.0, help="(a) memory of one H100, 10^9 bytes")
+    p.add_argument("--tpu-v5p-memory-gb", type=number, default=95.0, help="(b) memory of one TPU v5p, 10^9 bytes")
+    p.add_argument("--ici-bandwidth-bytes-per-s", type=number, default=2 * 9e10, help="(c) W_ici")
+    p.add_argument("--flops-per-s", type=number, default=4.6e14, help="(c) C, bf16 FLOP/s per chip")
+    p.add_argument("--x", type=integer, default=16, help="(c) X, devices on the FSDP axis")
+    p.add_argument("--y", type=integer, default=4, help="(c) Y, devices on the tensor-parallel axis")
+    p.add_argument("--m-x", type=integer, default=2, help="(c) M_X, mesh axes of the FSDP dimension")
+    p.add_argument("--m-y", type=integer, default=1, help="(c) M_Y, mesh axes of the tensor-parallel dimension")
+    return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
