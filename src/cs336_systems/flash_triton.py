@@ -18,54 +18,18 @@ Tensors reach these kernels as contiguous (batch, seq, d), so every row stride i
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# Triton decides at decoration time whether kernels are compiled or interpreted, so this module records the
-# choice at import; the tests reload the module after setting TRITON_INTERPRET=1.
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from cs336_systems import triton_interpreter
 
-
-def _patch_interpreter() -> None:
-    """Work around two gaps of the Triton 3.6 interpreter that these kernels hit (compiled kernels are unaffected).
-
-    - Scalars are 1-element arrays and `range()` calls `int()` on them, an error since NumPy 2.4
-      (triton-lang/triton#9171): loop bounds derived from program_id fail. Squeeze first, as upstream's fix does.
-    - bfloat16 is stored as uint16 bit patterns and `tl.dot` multiplies those bits (triton-lang/triton#11584).
-      Widen bf16 operands to float32 first: exact, since a bf16 x bf16 product fits in float32, which is what the
-      GPU's bf16 MMA with float32 accumulation computes.
-    """
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_cs336_patched", False):
-        return
-    patch_lang_tensor = interpreter._patch_lang_tensor
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def patched_lang_tensor(tensor, scope) -> None:
-        patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    def widen_bf16(x):
-        if x.dtype != tl.bfloat16:
-            return x
-        bits = x.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
-
-    interpreter._patch_lang_tensor = patched_lang_tensor
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-    interpreter._cs336_patched = True
-
-
+# Interpreted or compiled is fixed when the kernels below are decorated: record it, and patch the interpreter's
+# gaps before any kernel runs. The tests set TRITON_INTERPRET=1 before importing this module.
+INTERPRET = triton_interpreter.enabled()
 if INTERPRET:
-    _patch_interpreter()
+    triton_interpreter.patch()
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
