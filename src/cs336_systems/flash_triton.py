@@ -74,6 +74,29 @@ _KEY = ["TUNE_BUCKET", "D", "IS_CAUSAL"]
 # The kernels keep Triton's usual compact argument lists; the formatter would put every argument on its own line.
 # fmt: off
 # ----------------------------------------------------------------------------------------------------------
+# Shared by the forward and the dQ pass, which both walk the key tiles of one query tile (inlined by Triton).
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, cols, N_KEYS, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+    """K and V of the key tile `cols`, and the raw scores Q K^T, -inf where the causal mask or N_KEYS hides a key.
+
+    Padded keys need their -inf even though they load as zeros: a score of 0 would join the forward's softmax,
+    and in the dQ pass exp2(0 - L) can overflow when all of a row's real scores are very negative."""
+    if BOUNDS_MASK:
+        k = tl.load(k_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
+        v = tl.load(v_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k))
+    if CAUSAL_MASK:
+        s = tl.where(offs_q[:, None] >= cols[None, :], s, float("-inf"))
+    if BOUNDS_MASK:
+        s = tl.where(cols[None, :] < N_KEYS, s, float("-inf"))
+    return k, v, s
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
@@ -84,18 +107,7 @@ def _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_
     k_ptrs += lo * D
     v_ptrs += lo * D
     for start_k in range(lo, hi, K_TILE_SIZE):
-        cols = start_k + offs_k
-        if BOUNDS_MASK:
-            k = tl.load(k_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        s = tl.dot(q, tl.trans(k))
-        if CAUSAL_MASK:
-            s = tl.where(offs_q[:, None] >= cols[None, :], s, float("-inf"))
-        if BOUNDS_MASK:
-            s = tl.where(cols[None, :] < N_KEYS, s, float("-inf"))
+        k, v, s = _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, start_k + offs_k, N_KEYS, CAUSAL_MASK, BOUNDS_MASK)
         # Each row's first visited tile holds key 0 <= its index, so m_new is finite: no exp2(-inf + inf).
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
@@ -261,19 +273,7 @@ def _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS
     k_ptrs += lo * D
     v_ptrs += lo * D
     for start_k in range(lo, hi, K_TILE_SIZE):
-        cols = start_k + offs_k
-        if BOUNDS_MASK:
-            k = tl.load(k_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        s = tl.dot(q, tl.trans(k))
-        if CAUSAL_MASK:
-            s = tl.where(offs_q[:, None] >= cols[None, :], s, float("-inf"))
-        if BOUNDS_MASK:
-            # Needed: exp2(0 - L) of a padded key can overflow when all of a row's real scores are very negative.
-            s = tl.where(cols[None, :] < N_KEYS, s, float("-inf"))
+        k, v, s = _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, start_k + offs_k, N_KEYS, CAUSAL_MASK, BOUNDS_MASK)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
