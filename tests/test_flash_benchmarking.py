@@ -49,7 +49,7 @@ def test_unknown_implementation_or_pass_is_an_error():
 def test_pass_steps_compute_the_pass_they_name(with_gradient):
     q, k, v = qkv(1, 1, 9, 16)
     do = torch.randn(1, 1, 9, 16, dtype=torch.float64) if with_gradient else None
-    attend = bench.naive_attention(9, torch.device("cpu"))
+    attend = bench.naive_causal_attention(9, torch.device("cpu"))
     o = attend(q, k, v)
     expected = torch.autograd.grad(o, (q, k, v), do if with_gradient else torch.ones_like(o))
 

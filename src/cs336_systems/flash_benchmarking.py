@@ -30,7 +30,7 @@ def causal_forward_flops(seq_len: int, d_head: int, heads: int) -> float:
     return 4 * seq_len**2 * d_head * heads / 2
 
 
-def naive_attention(seq_len: int, device: torch.device) -> Attention:
+def naive_causal_attention(seq_len: int, device: torch.device) -> Attention:
     """softmax(Q K^T / sqrt(d) + causal mask) V, materialising the (seq x seq) scores; the mask is built once."""
     mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1)
 
@@ -68,7 +68,7 @@ def attention(impl: str, seq_len: int, device: torch.device) -> Attention:
         compiled = torch.compile(FlashAttentionTriton.apply)
         return lambda q, k, v: compiled(q, k, v, True)
     if impl == "pytorch_naive":
-        return naive_attention(seq_len, device)
+        return naive_causal_attention(seq_len, device)
     backends = {
         "sdpa": None,
         "sdpa_flash": SDPBackend.FLASH_ATTENTION,
@@ -106,12 +106,12 @@ def pass_step(attend: Attention, pass_name: str, q: Tensor, k: Tensor, v: Tensor
     raise ValueError(f"pass must be one of {PASSES}, got {pass_name!r}")
 
 
-def add_do_bench_args(p: argparse.ArgumentParser, warmup_ms: int, rep_ms: int, spec: str = "") -> None:
+def add_do_bench_args(p: argparse.ArgumentParser, warmup_ms: int, rep_ms: int, note: str = "") -> None:
     """`--warmup-ms` and `--rep-ms`, the times do_bench spends per measurement."""
     p.add_argument(
-        "--warmup-ms", type=cli.nonnegative_int, default=warmup_ms, help=f"do_bench warm-up time{spec}"
+        "--warmup-ms", type=cli.nonnegative_int, default=warmup_ms, help=f"do_bench warm-up time{note}"
     )
-    p.add_argument("--rep-ms", type=cli.positive_int, default=rep_ms, help=f"do_bench measuring time{spec}")
+    p.add_argument("--rep-ms", type=cli.positive_int, default=rep_ms, help=f"do_bench measuring time{note}")
 
 
 def failure(exc: BaseException, tag: str) -> dict:

@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", nargs="+", required=True, choices=sorted(DTYPES))
     p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     p.add_argument("--passes", nargs="+", choices=bench.PASSES, default=list(bench.PASSES))
-    bench.add_do_bench_args(p, warmup_ms=25, rep_ms=100, spec=" per measurement")
+    bench.add_do_bench_args(p, warmup_ms=25, rep_ms=100, note=" per measurement")
     return p.parse_args(argv)
 
 

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=cli.positive_int, default=16)
     p.add_argument("--seq-len", type=cli.positive_int, default=16384)
     p.add_argument("--d-head", type=int, default=64, choices=SUPPORTED_HEAD_DIMS)
-    bench.add_do_bench_args(p, warmup_ms=1000, rep_ms=10000, spec=" (spec: 1000 and 10000)")
+    bench.add_do_bench_args(p, warmup_ms=1000, rep_ms=10000, note=" (spec: 1000 and 10000)")
     return p.parse_args(argv)
 
 
