@@ -1,6 +1,6 @@
 # §1.3.2–1.3.4 FlashAttention-2: the benchmark grid (ours vs naive PyTorch vs SDPA) and the leaderboard timing.
 FLASH, BOARD = R["flash"], R["leaderboard"]
-FLASH_CODE = code("flash_attention.py", "flash_triton.py")
+FLASH_CODE = code("flash_benchmarking.py", "flash_attention.py", "flash_triton.py", "triton_interpreter.py")
 
 
 rule flash_benchmark:

@@ -24,8 +24,8 @@ from cs336_systems import flash_triton  # noqa: E402
 from cs336_systems.flash_attention import (  # noqa: E402
     FlashAttentionPyTorch,
     FlashAttentionTriton,
-    FlashAttentionTritonCompiledBackward,
     compiled_backward,
+    compiled_on_cuda,
     flash_attention,
     flash_backward_reference,
 )
@@ -36,11 +36,7 @@ launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
 )
 IMPLS = ["pytorch", pytest.param("triton", marks=launches_kernels)]
-CLASSES = {
-    "pytorch": FlashAttentionPyTorch,
-    "triton": FlashAttentionTriton,
-    "triton_compiled_backward": FlashAttentionTritonCompiledBackward,
-}
+CLASSES = {"pytorch": FlashAttentionPyTorch, "triton": FlashAttentionTriton}
 # Relative error bounds (max abs error / max abs reference). fp32 is tight: the PyTorch version computes in fp32
 # and the interpreter's fp32 dot is exact fp32. bf16 rounds P to bf16 before P @ V (by design), O and the
 # gradients; dQ and dK also inherit the rounding of O through D = rowsum(O * dO), a cancelling difference:
@@ -81,10 +77,10 @@ def saved_logsumexp(o: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return matches[0]
 
 
-def run_and_compare(cls, batch, n_q, n_k, d, causal, dtype, seed):
+def run_and_compare(impl, batch, n_q, n_k, d, causal, dtype, seed):
     q, k, v, do = random_inputs(batch, n_q, n_k, d, dtype, seed)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    o = cls.apply(q, k, v, causal)
+    o = flash_attention(q, k, v, causal, impl=impl)
     lse = saved_logsumexp(o, q).detach().clone()
     o.backward(do)
 
@@ -111,7 +107,7 @@ def run_and_compare(cls, batch, n_q, n_k, d, causal, dtype, seed):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_matches_float64_reference(impl, case, dtype):
-    run_and_compare(CLASSES[impl], *case, dtype, seed=CASES.index(case))
+    run_and_compare(impl, *case, dtype, seed=CASES.index(case))
 
 
 @launches_kernels
@@ -119,7 +115,13 @@ def test_matches_float64_reference(impl, case, dtype):
 @pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[5]], ids=case_id)
 def test_triton_with_compiled_backward_matches_reference(case, dtype):
     # On CPU the "compiled" backward runs eagerly: the same math as on CUDA, without the compiler.
-    run_and_compare(FlashAttentionTritonCompiledBackward, *case, dtype, seed=7)
+    run_and_compare("triton_compiled_backward", *case, dtype, seed=7)
+
+
+def test_triton_backward_is_one_of_the_named_choices():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    with pytest.raises(ValueError, match=r"backward must be one of \['compiled', 'triton'\], got 'cuda'"):
+        FlashAttentionTriton.apply(q, k, v, False, "cuda")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -146,7 +148,7 @@ def test_causal_rows_ignore_future_keys():
     k2, v2 = k.clone(), v.clone()
     k2[:, 30:] += 5.0
     v2[:, 30:] -= 5.0
-    for cls in (FlashAttentionPyTorch, FlashAttentionTriton):
+    for cls in CLASSES.values():
         o1, o2 = cls.apply(q, k, v, True), cls.apply(q, k2, v2, True)
         torch.testing.assert_close(o1[:, :30], o2[:, :30], rtol=0, atol=0)
         assert not torch.allclose(o1[:, 30:], o2[:, 30:])
@@ -175,6 +177,41 @@ def test_backward_reference_matches_autograd():
         dq, dk, dv = fn(q, k, v, o64.detach().float(), do, lse64.float(), True)
         for actual, expected in ((dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
             assert rel_err(actual, expected) < 1e-5
+
+
+class FakeCudaTensor:
+    device = torch.device("cuda")
+
+
+def test_compiled_on_cuda_falls_back_to_eager_once_compilation_fails(monkeypatch):
+    calls = []
+    compiles = []
+
+    def broken_compile(fn):
+        compiles.append(fn)
+
+        def compiled(*args):
+            raise RuntimeError("inductor: no C++ compiler")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    attend = compiled_on_cuda(lambda x: calls.append(x.device.type) or "eager")
+    cuda, cpu = FakeCudaTensor(), torch.zeros(1)
+    assert attend(cpu) == "eager" and compiles == []  # the CPU runs eagerly, nothing compiled
+    with pytest.warns(UserWarning, match=r"failed .*no C\+\+ compiler.*running it eagerly"):
+        assert attend(cuda) == "eager"
+    assert attend(cuda) == "eager" and len(compiles) == 1  # no second attempt
+    assert calls == ["cpu", "cuda", "cuda"]
+
+
+def test_compiled_on_cuda_does_not_hide_out_of_memory(monkeypatch):
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch, "compile", lambda fn: out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        compiled_on_cuda(lambda x: x)(FakeCudaTensor())
 
 
 @pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the kernel tests ran in this process")

@@ -5,23 +5,25 @@ of Q's shape and dtype, and save exactly one logsumexp tensor L of shape (..., N
 Causal masking is top-left aligned: query i attends to keys j <= i (as `scaled_dot_product_attention`).
 
 Backward passes:
-- `FlashAttentionTriton`: Triton kernels, one pass over key tiles (dK, dV) and one over query tiles (dQ).
-- `FlashAttentionTritonCompiledBackward`: Triton forward, backward by recomputation in PyTorch
-  (`flash_backward_reference`, equations 13-19) under `torch.compile` on CUDA, eager elsewhere.
+- `FlashAttentionTriton`, with its backward as a choice (as the Triton tutorial's one `_attention` takes options):
+  "triton", Triton kernels, one pass over key tiles (dK, dV) and one over query tiles (dQ); or "compiled", the
+  recomputation in PyTorch (`flash_backward_reference`, equations 13-19) under `torch.compile` on CUDA.
 - `FlashAttentionPyTorch`: the same recomputation backward.
 
 The Triton kernels are PyTorch operators (`torch.ops.cs336.flash_attention_forward` / `_backward`, with fake
 implementations and the autograd formula registered), so torch.compile, at any shape and with dynamic shapes,
-treats a launch as one opaque node; the autograd Functions above are thin wrappers over them.
+treats a launch as one opaque node; the autograd Function is a thin wrapper over them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 from cs336_systems import flash_triton
 from cs336_systems.benchmarking import is_oom
@@ -83,8 +85,8 @@ def _validate(Q: object, K: object, V: object, is_causal: object, *, for_triton:
 # Pure PyTorch: tiled forward with online softmax, and the recomputation backward.
 # ----------------------------------------------------------------------------------------------------------
 def tiled_forward_pytorch(
-    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool, tile_size: int = PYTORCH_TILE_SIZE
-) -> tuple[torch.Tensor, torch.Tensor]:
+    Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, tile_size: int = PYTORCH_TILE_SIZE
+) -> tuple[Tensor, Tensor]:
     """Algorithm 1 in PyTorch, in float32 on the tiles: O (Q's dtype) and L (float32, shape (..., N_q))."""
     n_queries, d = Q.shape[-2:]
     n_keys = K.shape[-2]
@@ -120,14 +122,8 @@ def tiled_forward_pytorch(
 
 
 def flash_backward_reference(
-    Q: torch.Tensor,
-    K: torch.Tensor,
-    V: torch.Tensor,
-    O: torch.Tensor,
-    dO: torch.Tensor,
-    L: torch.Tensor,
-    is_causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    Q: Tensor, K: Tensor, V: Tensor, O: Tensor, dO: Tensor, L: Tensor, is_causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """Backward by recomputation (equations 13-19) in float32: P is rebuilt from L, no softmax needed."""
     scale = 1.0 / math.sqrt(Q.shape[-1])
     q, k, v, o, do = (t.float() for t in (Q, K, V, O, dO))
@@ -145,52 +141,56 @@ def flash_backward_reference(
     return dQ.to(Q.dtype), dK.to(K.dtype), dV.to(V.dtype)
 
 
-_compiled_backward: Callable | None = None
-_compile_failed = False
+def compiled_on_cuda(fn: Callable) -> Callable:
+    """`fn` under `torch.compile` when its first argument is a CUDA tensor; eager on the CPU, and from the first
+    compiler failure on (with a warning): the same math either way."""
+    compiled: Callable | None = None
+    failed = False
+
+    @functools.wraps(fn)
+    def run(*args):
+        nonlocal compiled, failed
+        if args[0].device.type != "cuda" or failed:
+            return fn(*args)
+        if compiled is None:
+            compiled = torch.compile(fn)
+        try:
+            return compiled(*args)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to the same math, eagerly
+            if is_oom(exc):
+                raise
+            warnings.warn(
+                f"torch.compile of {fn.__name__} failed ({exc!r}); running it eagerly", stacklevel=2
+            )
+            failed = True
+            return fn(*args)
+
+    return run
 
 
-def compiled_backward(
-    Q: torch.Tensor,
-    K: torch.Tensor,
-    V: torch.Tensor,
-    O: torch.Tensor,
-    dO: torch.Tensor,
-    L: torch.Tensor,
-    is_causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`flash_backward_reference` under `torch.compile` on CUDA; eager on CPU or when compilation fails."""
-    global _compiled_backward, _compile_failed
-    if Q.device.type != "cuda" or _compile_failed:
-        return flash_backward_reference(Q, K, V, O, dO, L, is_causal)
-    if _compiled_backward is None:
-        _compiled_backward = torch.compile(flash_backward_reference)
-    try:
-        return _compiled_backward(Q, K, V, O, dO, L, is_causal)
-    except Exception as exc:  # noqa: BLE001 - any compiler failure: fall back to the same math, eagerly
-        if is_oom(exc):
-            raise
-        warnings.warn(
-            f"torch.compile of the flash backward failed ({exc!r}); running it eagerly", stacklevel=2
-        )
-        _compile_failed = True
-        return flash_backward_reference(Q, K, V, O, dO, L, is_causal)
+compiled_backward = compiled_on_cuda(flash_backward_reference)
+
+
+# What both autograd Functions (and the forward operator's autograd formula) save: L, then the inputs and O.
+def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
+    Q, K, V, is_causal = inputs
+    O, L = output
+    ctx.save_for_backward(L, Q, K, V, O)
+    ctx.is_causal = is_causal
 
 
 class FlashAttentionPyTorch(torch.autograd.Function):
     """FlashAttention-2 in pure PyTorch: tiled forward, recomputation backward."""
 
     @staticmethod
-    def forward(
-        ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False
-    ) -> torch.Tensor:
+    def forward(ctx, Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = False) -> Tensor:
         _validate(Q, K, V, is_causal, for_triton=False)
         O, L = tiled_forward_pytorch(Q, K, V, is_causal)
-        ctx.save_for_backward(L, Q, K, V, O)
-        ctx.is_causal = is_causal
+        _save_for_backward(ctx, (Q, K, V, is_causal), (O, L))
         return O
 
     @staticmethod
-    def backward(ctx, dO: torch.Tensor):
+    def backward(ctx, dO: Tensor):
         L, Q, K, V, O = ctx.saved_tensors
         return (*compiled_backward(Q, K, V, O, dO, L, ctx.is_causal), None)
 
@@ -198,7 +198,7 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------
 # Triton
 # ----------------------------------------------------------------------------------------------------------
-def _as_batched(x: torch.Tensor) -> torch.Tensor:
+def _as_batched(x: Tensor) -> Tensor:
     """(..., seq, d) -> contiguous (batch, seq, d), the layout the kernels index (a view when x is contiguous)."""
     return x.reshape(-1, *x.shape[-2:]).contiguous()
 
@@ -207,9 +207,7 @@ def _as_batched(x: torch.Tensor) -> torch.Tensor:
 # implementation, instead of tracing the launch (Python logic on sizes, shape-derived constexprs) into its graph,
 # which fails as soon as a second shape makes the sizes symbolic.
 @torch.library.custom_op("cs336::flash_attention_forward", mutates_args=())
-def flash_attention_forward(
-    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attention_forward(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     """O (Q's shape and dtype) and the logsumexp L (Q.shape[:-1], float32), both contiguous."""
     _validate(Q, K, V, is_causal, for_triton=True)
     O, L = flash_triton.flash_forward(_as_batched(Q), _as_batched(K), _as_batched(V), is_causal)
@@ -217,23 +215,15 @@ def flash_attention_forward(
 
 
 @flash_attention_forward.register_fake
-def _(
-    Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool) -> tuple[Tensor, Tensor]:
     _validate(Q, K, V, is_causal, for_triton=True)
     return Q.new_empty(Q.shape), Q.new_empty(Q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("cs336::flash_attention_backward", mutates_args=())
 def flash_attention_backward(
-    Q: torch.Tensor,
-    K: torch.Tensor,
-    V: torch.Tensor,
-    O: torch.Tensor,
-    dO: torch.Tensor,
-    L: torch.Tensor,
-    is_causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    Q: Tensor, K: Tensor, V: Tensor, O: Tensor, dO: Tensor, L: Tensor, is_causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV (contiguous, in the shapes and dtype of Q, K, V)."""
     dQ, dK, dV = flash_triton.flash_backward(
         *map(_as_batched, (Q, K, V, O, dO)), L.reshape(-1, Q.shape[-2]), is_causal
@@ -242,64 +232,56 @@ def flash_attention_backward(
 
 
 @flash_attention_backward.register_fake
-def _(Q, K, V, O, dO, L, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _(Q, K, V, O, dO, L, is_causal: bool) -> tuple[Tensor, Tensor, Tensor]:
     return Q.new_empty(Q.shape), K.new_empty(K.shape), V.new_empty(V.shape)
 
 
-def _backward_of_forward(ctx, dO: torch.Tensor, dL: torch.Tensor):
+def _backward_of_forward(ctx, dO: Tensor, dL: Tensor | None):
     L, Q, K, V, O = ctx.saved_tensors
     return (*flash_attention_backward(Q, K, V, O, dO, L, ctx.is_causal), None)
-
-
-def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
-    Q, K, V, is_causal = inputs
-    O, L = output
-    ctx.save_for_backward(L, Q, K, V, O)
-    ctx.is_causal = is_causal
 
 
 # L is an output only for the autograd contract below; its gradient (dL) is never used.
 flash_attention_forward.register_autograd(_backward_of_forward, setup_context=_save_for_backward)
 
+# The backward passes FlashAttentionTriton can take, all with the arguments (Q, K, V, O, dO, L, is_causal).
+TRITON_BACKWARDS: dict[str, Callable] = {"triton": flash_attention_backward, "compiled": compiled_backward}
+
 
 class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2 in Triton: forward (Algorithm 1) and an atomic-free two-pass backward, as an autograd
-    Function over the two operators (what the assignment's adapter returns)."""
+    """FlashAttention-2 in Triton (what the assignment's adapter returns): the forward kernel (Algorithm 1) over
+    the operators above, and `backward` one of TRITON_BACKWARDS: "triton", the atomic-free two-pass kernels, or
+    "compiled", the PyTorch recomputation under torch.compile (the spec's part (d))."""
 
     @staticmethod
     def forward(
-        ctx, Q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, is_causal: bool = False
-    ) -> torch.Tensor:
+        ctx, Q: Tensor, K: Tensor, V: Tensor, is_causal: bool = False, backward: str = "triton"
+    ) -> Tensor:
         _validate(Q, K, V, is_causal, for_triton=True)  # before the op's schema sees a wrong type
+        if backward not in TRITON_BACKWARDS:
+            raise ValueError(f"backward must be one of {sorted(TRITON_BACKWARDS)}, got {backward!r}")
         O, L = flash_attention_forward(Q, K, V, is_causal)
         _save_for_backward(ctx, (Q, K, V, is_causal), (O, L))
+        ctx.backward = backward
         return O
 
     @staticmethod
-    def backward(ctx, dO: torch.Tensor):
-        return _backward_of_forward(ctx, dO, None)
-
-
-class FlashAttentionTritonCompiledBackward(FlashAttentionTriton):
-    """Triton forward with the PyTorch recomputation backward under torch.compile (the spec's part (d))."""
-
-    @staticmethod
-    def backward(ctx, dO: torch.Tensor):
+    def backward(ctx, dO: Tensor):
         L, Q, K, V, O = ctx.saved_tensors
-        return (*compiled_backward(Q, K, V, O, dO, L, ctx.is_causal), None)
+        return (*TRITON_BACKWARDS[ctx.backward](Q, K, V, O, dO, L, ctx.is_causal), None, None)
 
 
-IMPLEMENTATIONS: dict[str, type[torch.autograd.Function]] = {
-    "triton": FlashAttentionTriton,
-    "triton_compiled_backward": FlashAttentionTritonCompiledBackward,
-    "pytorch": FlashAttentionPyTorch,
+# impl: the autograd Function and its arguments after (q, k, v, is_causal).
+IMPLEMENTATIONS: dict[str, tuple[type[torch.autograd.Function], tuple]] = {
+    "triton": (FlashAttentionTriton, ()),
+    "triton_compiled_backward": (FlashAttentionTriton, ("compiled",)),
+    "pytorch": (FlashAttentionPyTorch, ()),
 }
 
 
-def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True, impl: str = "triton"
-) -> torch.Tensor:
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, is_causal: bool = True, impl: str = "triton") -> Tensor:
     """Attention of q (..., N_q, d) over k, v (..., N_k, d), e.g. (batch, heads, seq, d_head), by FlashAttention-2."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
-    return IMPLEMENTATIONS[impl].apply(q, k, v, is_causal)
+    function, options = IMPLEMENTATIONS[impl]
+    return function.apply(q, k, v, is_causal, *options)

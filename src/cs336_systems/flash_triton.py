@@ -18,54 +18,18 @@ Tensors reach these kernels as contiguous (batch, seq, d), so every row stride i
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-# Triton decides at decoration time whether kernels are compiled or interpreted, so this module records the
-# choice at import; the tests reload the module after setting TRITON_INTERPRET=1.
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from cs336_systems import triton_interpreter
 
-
-def _patch_interpreter() -> None:
-    """Work around two gaps of the Triton 3.6 interpreter that these kernels hit (compiled kernels are unaffected).
-
-    - Scalars are 1-element arrays and `range()` calls `int()` on them, an error since NumPy 2.4
-      (triton-lang/triton#9171): loop bounds derived from program_id fail. Squeeze first, as upstream's fix does.
-    - bfloat16 is stored as uint16 bit patterns and `tl.dot` multiplies those bits (triton-lang/triton#11584).
-      Widen bf16 operands to float32 first: exact, since a bf16 x bf16 product fits in float32, which is what the
-      GPU's bf16 MMA with float32 accumulation computes.
-    """
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_cs336_patched", False):
-        return
-    patch_lang_tensor = interpreter._patch_lang_tensor
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def patched_lang_tensor(tensor, scope) -> None:
-        patch_lang_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    def widen_bf16(x):
-        if x.dtype != tl.bfloat16:
-            return x
-        bits = x.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
-
-    interpreter._patch_lang_tensor = patched_lang_tensor
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-    interpreter._cs336_patched = True
-
-
+# Interpreted or compiled is fixed when the kernels below are decorated: record it, and patch the interpreter's
+# gaps before any kernel runs. The tests set TRITON_INTERPRET=1 before importing this module.
+INTERPRET = triton_interpreter.enabled()
 if INTERPRET:
-    _patch_interpreter()
+    triton_interpreter.patch()
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -110,6 +74,29 @@ _KEY = ["TUNE_BUCKET", "D", "IS_CAUSAL"]
 # The kernels keep Triton's usual compact argument lists; the formatter would put every argument on its own line.
 # fmt: off
 # ----------------------------------------------------------------------------------------------------------
+# Shared by the forward and the dQ pass, which both walk the key tiles of one query tile (inlined by Triton).
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, cols, N_KEYS, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+    """K and V of the key tile `cols`, and the raw scores Q K^T, -inf where the causal mask or N_KEYS hides a key.
+
+    Padded keys need their -inf even though they load as zeros: a score of 0 would join the forward's softmax,
+    and in the dQ pass exp2(0 - L) can overflow when all of a row's real scores are very negative."""
+    if BOUNDS_MASK:
+        k = tl.load(k_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
+        v = tl.load(v_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.trans(k))
+    if CAUSAL_MASK:
+        s = tl.where(offs_q[:, None] >= cols[None, :], s, float("-inf"))
+    if BOUNDS_MASK:
+        s = tl.where(cols[None, :] < N_KEYS, s, float("-inf"))
+    return k, v, s
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Forward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
@@ -120,18 +107,7 @@ def _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_
     k_ptrs += lo * D
     v_ptrs += lo * D
     for start_k in range(lo, hi, K_TILE_SIZE):
-        cols = start_k + offs_k
-        if BOUNDS_MASK:
-            k = tl.load(k_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        s = tl.dot(q, tl.trans(k))
-        if CAUSAL_MASK:
-            s = tl.where(offs_q[:, None] >= cols[None, :], s, float("-inf"))
-        if BOUNDS_MASK:
-            s = tl.where(cols[None, :] < N_KEYS, s, float("-inf"))
+        k, v, s = _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, start_k + offs_k, N_KEYS, CAUSAL_MASK, BOUNDS_MASK)
         # Each row's first visited tile holds key 0 <= its index, so m_new is finite: no exp2(-inf + inf).
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
@@ -297,19 +273,7 @@ def _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS
     k_ptrs += lo * D
     v_ptrs += lo * D
     for start_k in range(lo, hi, K_TILE_SIZE):
-        cols = start_k + offs_k
-        if BOUNDS_MASK:
-            k = tl.load(k_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        s = tl.dot(q, tl.trans(k))
-        if CAUSAL_MASK:
-            s = tl.where(offs_q[:, None] >= cols[None, :], s, float("-inf"))
-        if BOUNDS_MASK:
-            # Needed: exp2(0 - L) of a padded key can overflow when all of a row's real scores are very negative.
-            s = tl.where(cols[None, :] < N_KEYS, s, float("-inf"))
+        k, v, s = _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, start_k + offs_k, N_KEYS, CAUSAL_MASK, BOUNDS_MASK)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])

@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from cs336_systems.benchmarking import free_memory, is_oom
-from cs336_systems.flash_attention import FlashAttentionTriton
+from cs336_systems import cli
+from cs336_systems import flash_benchmarking as bench
+from cs336_systems.benchmarking import free_memory
+from cs336_systems.flash_triton import SUPPORTED_HEAD_DIMS
 from cs336_systems.provenance import write_rows
 
-FLOP_CONVENTION = "causal: forward 4*N^2*d*heads/2; backward 2.5x forward; forward_backward 3.5x forward"
-PASS_FLOP_FACTOR = {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5}
 # (impl, pass) rows in the order they run.
 MEASUREMENTS = (
     ("triton_compiled", "forward_backward"),
@@ -39,70 +36,12 @@ MEASUREMENTS = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=16384)
-    p.add_argument("--d-head", type=int, default=64, choices=(16, 32, 64, 128))
-    p.add_argument("--warmup-ms", type=int, default=1000, help="do_bench warm-up time (spec: 1000)")
-    p.add_argument("--rep-ms", type=int, default=10000, help="do_bench measuring time (spec: 10000)")
-    p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
-    args = p.parse_args(argv)
-    for flag in ("heads", "seq_len", "rep_ms"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.warmup_ms < 0:
-        p.error(f"--warmup-ms must be >= 0, got {args.warmup_ms}")
-    return args
-
-
-def forward_flops(args: argparse.Namespace) -> float:
-    return 4 * args.seq_len**2 * args.d_head * args.heads / 2
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> torch.Tensor:
-    """SDPA on the spec's (heads, seq, d) tensors: its fused backends need (batch, heads, seq, d), so add batch 1."""
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=is_causal)[0]
-
-
-def sdpa_with(backend) -> Callable:
-    from torch.nn.attention import sdpa_kernel
-
-    def attend(q, k, v, is_causal):
-        with sdpa_kernel(backend):
-            return sdpa(q, k, v, is_causal)
-
-    return attend
-
-
-def attention_fn(impl: str) -> Callable:
-    from torch.nn.attention import SDPBackend
-
-    if impl == "triton_compiled":
-        return torch.compile(FlashAttentionTriton.apply)
-    if impl == "triton":
-        return FlashAttentionTriton.apply
-    return sdpa_with(
-        {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[impl]
-    )
-
-
-def measure(flash: Callable, pass_name: str, q, k, v, args: argparse.Namespace) -> list[float]:
-    """All do_bench times (ms) of one pass, as in the spec's test (no gradient reset between calls)."""
-    from triton.testing import do_bench
-
-    if pass_name == "forward":
-        fn = lambda: flash(q, k, v, True)
-    elif pass_name == "backward":
-        loss = flash(q, k, v, True).sum()
-        fn = lambda: loss.backward(retain_graph=True)
-    else:
-
-        def fn():
-            o = flash(q, k, v, True)
-            loss = o.sum()
-            loss.backward()
-
-    return do_bench(fn, rep=args.rep_ms, warmup=args.warmup_ms, return_mode="all")
+    p = cli.parser(__doc__, seed=False)
+    p.add_argument("--heads", type=cli.positive_int, default=16)
+    p.add_argument("--seq-len", type=cli.positive_int, default=16384)
+    p.add_argument("--d-head", type=int, default=64, choices=SUPPORTED_HEAD_DIMS)
+    bench.add_do_bench_args(p, warmup_ms=1000, rep_ms=10000, note=" (spec: 1000 and 10000)")
+    return p.parse_args(argv)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -112,17 +51,16 @@ def run(args: argparse.Namespace) -> list[dict]:
         "d_head": args.d_head,
         "dtype": "bfloat16",
         "causal": True,
-        "flop_convention": FLOP_CONVENTION,
+        "flop_convention": bench.FLOP_CONVENTION,
     }
     if not torch.cuda.is_available():
-        return [
-            {**base, "impl": impl, "pass": p, "ms": None, "status": "skipped", "reason": "needs CUDA"}
-            for impl, p in MEASUREMENTS
-        ]
+        return [{**base, "impl": impl, "pass": p, **bench.skipped_without_cuda()} for impl, p in MEASUREMENTS]
     return measure_all(args, base, torch.device("cuda"))
 
 
 def measure_all(args: argparse.Namespace, base: dict, device: torch.device) -> list[dict]:
+    from triton.testing import do_bench
+
     torch.manual_seed(0)
     # As in the spec: q, k, v are views of one leaf, whose .grad the backward passes accumulate into.
     qkv = torch.randn(
@@ -130,11 +68,12 @@ def measure_all(args: argparse.Namespace, base: dict, device: torch.device) -> l
     )
     q, k, v = qkv
     with torch.no_grad():
-        reference = sdpa(q, k, v, True)
-        diff = (FlashAttentionTriton.apply(q, k, v, True).float() - reference.float()).abs().max().item()
+        reference = bench.sdpa_attention()(q, k, v)
+    diff = bench.max_abs_diff(bench.attention("triton", args.seq_len, device), q, k, v, reference)
+    forward_flops = bench.causal_forward_flops(args.seq_len, args.d_head, args.heads)
     rows = []
     for impl, pass_name in MEASUREMENTS:
-        print(f"[leaderboard] {impl} {pass_name} ...", file=sys.stderr, flush=True)
+        bench.log("leaderboard", f"{impl} {pass_name} ...")
         row = {
             **base,
             "impl": impl,
@@ -142,27 +81,24 @@ def measure_all(args: argparse.Namespace, base: dict, device: torch.device) -> l
             "max_abs_diff_vs_sdpa": diff if impl.startswith("triton") else None,
         }
         try:
-            times = measure(attention_fn(impl), pass_name, q, k, v, args)
+            # As in the spec's test: the gradient of o.sum(), no gradient reset between calls.
+            step = bench.pass_step(bench.attention(impl, args.seq_len, device), pass_name, q, k, v, do=None)
+            times = do_bench(step, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="all")
         except Exception as exc:  # noqa: BLE001 - e.g. a backend this GPU lacks: a row, not a crash
-            message = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
-            rows.append({**row, "ms": None, "status": "OOM" if is_oom(exc) else "error", "error": message})
-            print(f"[leaderboard]   {rows[-1]['status']}: {message}", file=sys.stderr, flush=True)
+            rows.append({**row, **bench.failure(exc, "leaderboard")})
         else:
             ms = statistics.fmean(times)
-            flops = forward_flops(args) * PASS_FLOP_FACTOR[pass_name]
-            rows.append(
-                {
-                    **row,
-                    "ms": ms,
-                    "median_ms": statistics.median(times),
-                    "n_timed": len(times),
-                    "tflops": flops / (ms * 1e-3) / 1e12,
-                    "status": "ok",
-                    "error": None,
-                }
-            )
-            print(f"[leaderboard]   {ms:.3f} ms", file=sys.stderr, flush=True)
+            tflops = forward_flops * bench.PASS_FLOP_FACTOR[pass_name] / (ms * 1e-3) / 1e12
+            timing = {
+                "ms": ms,
+                "median_ms": statistics.median(times),
+                "n_timed": len(times),
+                "tflops": tflops,
+            }
+            rows.append({**row, **timing, "status": "ok", "error": None})
+            bench.log("leaderboard", f"  {ms:.3f} ms")
         finally:
+            step = None
             qkv.grad = None  # grads accumulate within a measurement (as in the spec); start each one fresh
             free_memory()
     return rows
@@ -170,7 +106,7 @@ def measure_all(args: argparse.Namespace, base: dict, device: torch.device) -> l
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    write_rows(run(args), args.out, {**vars(args), "flop_convention": FLOP_CONVENTION})
+    write_rows(run(args), args.out, {**vars(args), "flop_convention": bench.FLOP_CONVENTION})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,51 @@
+"""Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs the kernels without a GPU), and a patch for two of
+its gaps that our kernels hit. Compiled kernels are unaffected: the patch is applied only when interpreting.
+
+Triton decides at decoration time whether a kernel is compiled or interpreted, so the choice must be made (the
+environment variable set) before triton is imported, and `patch()` called before the kernels run.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def enabled() -> bool:
+    """True when Triton kernels run in the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def patch() -> None:
+    """Work around two gaps of the Triton 3.6 interpreter (idempotent):
+
+    - Scalars are 1-element arrays and `range()` calls `int()` on them, an error since NumPy 2.4
+      (triton-lang/triton#9171): loop bounds derived from program_id fail. Squeeze first, as upstream's fix does.
+    - bfloat16 is stored as uint16 bit patterns and `tl.dot` multiplies those bits (triton-lang/triton#11584).
+      Widen bf16 operands to float32 first: exact, since a bf16 x bf16 product fits in float32, which is what the
+      GPU's bf16 MMA with float32 accumulation computes.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_cs336_patched", False):
+        return
+    patch_lang_tensor = interpreter._patch_lang_tensor
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def patched_lang_tensor(tensor, scope) -> None:
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    def widen_bf16(x):
+        if x.dtype != tl.bfloat16:
+            return x
+        bits = x.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patched_lang_tensor
+    interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter._cs336_patched = True
