@@ -108,6 +108,7 @@ use rule launch_ranks as ddp_benchmark with:
         timeline=report(TIMELINE_CSV, **DDP_REPORT),
         timeline_json=f"{RESULTS}/ddp_timeline/intervals.json",
     params:
+        model=model_dims(DDP["size"]),
         **launched(DDP["world_size"], DIST_BACKEND, DDP_CSV, also=TIMELINE_CSV),
         cli=f"cs336_systems.experiments.ddp_benchmark --size {DDP['size']} --batch-size {DDP['batch_size']} "
             f"--context-length {DDP['context_length']} --bucket-sizes-mb {listed(DDP['bucket_sizes_mb'])} "
@@ -128,6 +129,7 @@ use rule launch_ranks as sharding_benchmark with:
                    subcategory="3 Optimizer state sharding"),
         json=f"{RESULTS}/sharding/benchmark.json",
     params:
+        model=model_dims(SHARDING["size"]),
         **launched(SHARDING["world_size"], DIST_BACKEND, SHARDING_CSV),
         cli=f"cs336_systems.experiments.sharding_benchmark --size {SHARDING['size']} "
             f"--batch-size {SHARDING['batch_size']} --context-length {SHARDING['context_length']} "

@@ -10,6 +10,7 @@ rule e2e_benchmark:
                    subcategory="1.1.3 End-to-end"),
         json=f"{RESULTS}/e2e/{{size}}.json",
     params:
+        model=model_dims(),
         contexts=listed(E2E["context_lengths"]),
         batch_size=E2E["batch_size"],
         warmup=E2E["warmup"],
@@ -38,6 +39,7 @@ rule e2e_warmup_study:
                    category="Results", subcategory="1.1.3 End-to-end"),
         json=f"{RESULTS}/e2e_warmup/{{size}}_w{{warmup}}.json",
     params:
+        model=model_dims(),
         batch_size=E2E["batch_size"],
         context_length=E2E["warmup_study"]["context_length"],
         steps=E2E["warmup_study"]["steps"],

@@ -9,8 +9,9 @@ PIN_GPUS = shlex.quote(str(Path(workflow.basedir, "rules", "pin_gpus.sh")))
 shell.prefix(f"set -euo pipefail; source {PIN_GPUS}; ")
 
 
-# What every experiment CLI imports (cs336_systems.cli and what it builds on).
-CLI_CODE = ("cli.py", "sizes.py", "model.py", "benchmarking.py", "provenance.py")
+# What every experiment CLI imports (cs336_systems.cli and what it builds on). Not sizes.py: a rule that builds a
+# model has its size's row of that table as a param (model_dims), so editing one size reruns that size's jobs only.
+CLI_CODE = ("cli.py", "model.py", "benchmarking.py", "provenance.py")
 # The Transformer workload: the model, its batch and its training step.
 MODEL_CODE = ("workload.py",)
 
@@ -22,6 +23,12 @@ def code(*modules, view_only=VIEW_ONLY):
         modules = (*modules, *CLI_CODE)
     paths = [f"src/cs336_systems/{m}" for m in dict.fromkeys(modules)]
     return [ancient(path) for path in paths] if view_only else paths
+
+
+def model_dims(size=None):
+    """The `model` param of a rule that builds the Transformer: the dimensions of `size` (default: the `size`
+    wildcard) from cs336_systems.sizes; the command passes only the name."""
+    return (lambda w: MODEL_SIZES[w.size]) if size is None else MODEL_SIZES[size]
 
 
 def listed(values):

@@ -25,6 +25,7 @@ rule profile_model:
         # Chrome traces (and the nsys report where nsys exists); large, ignored by git.
         traces=directory(f"{RESULTS}/traces/{{size}}"),
     params:
+        model=model_dims(),
         contexts=listed(PROFILE["context_lengths"]),
         batch_size=E2E["batch_size"],
         warmup=PROFILE["warmup"],
@@ -99,6 +100,7 @@ rule mixed_precision_e2e:
                     category="Results", subcategory="1.1.5 Mixed precision"),
         bf16_json=f"{RESULTS}/mixed_precision_e2e/{{size}}_bf16.json",
     params:
+        model=model_dims(),
         contexts=listed(MIXED["context_lengths"]),
         batch_size=E2E["batch_size"],
         warmup=E2E["warmup"],
@@ -132,6 +134,7 @@ rule memory_profile:
         snapshots=directory(f"{RESULTS}/memory_snapshots"),
     params:
         size=MEMORY["size"],
+        model=model_dims(MEMORY["size"]),
         contexts=listed(MEMORY["context_lengths"]),
         batch_size=E2E["batch_size"],
         device=R["device"],
@@ -195,6 +198,7 @@ rule compile_e2e:
                         category="Results", subcategory="1.3.1 torch.compile"),
         compiled_json=f"{RESULTS}/compile/{{size}}_{{context}}_compiled.json",
     params:
+        model=model_dims(),
         contexts=lambda w: w.context,
         batch_size=E2E["batch_size"],
         warmup=E2E["warmup"],

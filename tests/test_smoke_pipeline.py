@@ -77,13 +77,13 @@ def test_second_run_has_nothing_to_do(smoke):
 
 
 def test_changing_one_size_reruns_only_its_jobs(smoke):
-    config = smoke / "config.yaml"
-    original = config.read_text()
-    config.write_text(original.replace("tiny:   {d_model: 64,", "tiny:   {d_model: 96,"))
+    sizes = smoke / "src/cs336_systems/sizes.py"  # the one table of model sizes
+    original = sizes.read_text()
+    sizes.write_text(original.replace('"tiny": {"d_model": 64,', '"tiny": {"d_model": 96,'))
     try:
         dry = snakemake(smoke, "-n", "report/writeup.md", "--config", "run=cpu")
     finally:
-        config.write_text(original)
+        sizes.write_text(original)
     assert dry.returncode == 0, dry.stderr
     # Every job that builds the tiny model, and nothing that does not (attention, flash, all-reduce, ...).
     assert set(job_counts(dry.stdout + dry.stderr)) == {
