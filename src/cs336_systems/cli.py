@@ -10,9 +10,27 @@ from cs336_systems.model import ATTENTION, ModelConfig
 from cs336_systems.sizes import MODEL_SIZES
 
 
+class Parser(argparse.ArgumentParser):
+    """A parser that also runs `checks`: functions of the parsed flags that raise ValueError where flags do not
+    fit together (a checkpoint policy beyond the size's layers), reported as errors of the parse."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: list = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        for check in self.checks:
+            try:
+                check(parsed)
+            except ValueError as error:
+                self.error(str(error))
+        return parsed, rest
+
+
 def parser(doc: str | None, seed: bool = True) -> argparse.ArgumentParser:
     """An experiment's parser: its module docstring as help, `--out` and (for runs with randomness) `--seed`."""
-    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
     if seed:
         p.add_argument("--seed", type=int, default=0)
@@ -57,10 +75,17 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 4) -> None:
     g.add_argument("--size", choices=list(MODEL_SIZES), required=True, help="model size (cs336_systems.sizes)")
     g.add_argument("--batch-size", type=positive_int, default=batch_size, help="sequences per batch (per rank)")
     g.add_argument("--attention", choices=sorted(ATTENTION), default="naive")
+    g.add_argument(
+        "--checkpoint", default="none", help="activation checkpointing: none, every:K, nested or selective"
+    )
+    if isinstance(p, Parser):  # the policy is checked against the size's number of layers
+        p.checks.append(lambda args: ModelConfig.from_name(args.size, checkpoint=args.checkpoint))
 
 
 def model_config(args: argparse.Namespace, context_length: int) -> ModelConfig:
-    return ModelConfig.from_name(args.size, context_length=context_length, attention=args.attention)
+    return ModelConfig.from_name(
+        args.size, context_length=context_length, attention=args.attention, checkpoint=args.checkpoint
+    )
 
 
 def params(args: argparse.Namespace) -> dict:

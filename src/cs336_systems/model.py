@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from cs336_systems import checkpointing
 from cs336_systems.sizes import MODEL_SIZES
 
 # Attention takes q, k, v of shape (batch, heads, seq, d_head) and returns the same shape.
@@ -31,6 +32,7 @@ class ModelConfig:
     d_ff: int = 3072
     rope_theta: float = 10_000.0
     attention: str = "naive"
+    checkpoint: str = "none"  # activation checkpointing of the blocks: cs336_systems.checkpointing
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -44,6 +46,7 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: d_head={self.d_model // self.num_heads} must be even for RoPE")
         if self.attention not in ATTENTION:
             raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {sorted(ATTENTION)}")
+        checkpointing.parse(self.checkpoint, self.num_layers)
 
     @classmethod
     def from_name(cls, size: str, **fields) -> ModelConfig:
@@ -182,8 +185,7 @@ class TransformerLM(nn.Module):
                 f"sequence length {tokens.shape[-1]} exceeds context_length {self.cfg.context_length}"
             )
         x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x)
+        x = checkpointing.run_blocks(self.blocks, x, self.cfg.checkpoint)
         return self.lm_head(self.final_norm(x))
 
     def describe(self) -> dict:
