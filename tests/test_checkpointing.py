@@ -173,3 +173,36 @@ def test_optimal_k_balances_checkpoints_against_one_group():
     assert [k for k, peak in peaks.items() if peak == min(peaks.values())] == [3, 4, 5, 6]
     assert checkpointing.optimal_k(16, 1.0, 1.0) == 3  # the smallest of the ties
     assert checkpointing.optimal_k(32, 40.0, 1.0) == 1  # residuals dominate: one block per checkpoint
+
+
+# The benchmark CLI and the report's analysis of its rows.
+
+
+def test_benchmark_cli_rows_on_cpu(tmp_path):
+    from cs336_systems.experiments import checkpointing_benchmark as bench
+    from cs336_systems.provenance import read_rows
+
+    out = tmp_path / "c.csv"
+    bench.main(["--size", "tiny", "--batch-size", "2", "--context-length", "16", "--autocast", "none",
+                "--depths", "2", "3", "--policies", "none", "every:1", "nested", "--steps", "1",
+                "--device", "cpu", "--out", str(out)])
+    frame, meta = read_rows(out)
+    cells = frame[frame["record"] == "cell"]
+    assert len(cells) == 6 and (cells["status"] == "ok").all() and cells["median_ms"].gt(0).all()
+    assert cells["forward_backward_peak_mib"].isna().all() if "forward_backward_peak_mib" in cells else True
+    assert cells["memory_reason"].str.contains("needs CUDA").all()
+    saved = cells.set_index(["num_layers", "policy"])["saved_bytes"]
+    assert saved[(3, "every:1")] < saved[(3, "none")]
+    blocks = frame[frame["record"] == "block"].set_index("num_layers")
+    assert blocks.loc[2, "checkpoint_bytes"] == 2 * 16 * 64 * 4  # batch x context x d_model fp32
+    assert blocks.loc[2, "residual_bytes"] > blocks.loc[2, "checkpoint_bytes"]
+    assert meta["params"]["policies"] == ["none", "every:1", "nested"]
+
+
+def test_benchmark_cli_rejects_a_policy_beyond_a_depth(capsys):
+    from cs336_systems.experiments import checkpointing_benchmark as bench
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--size", "tiny", "--context-length", "16", "--depths", "2", "4", "--policies",
+                          "every:3", "--out", "x.csv"])
+    assert "--policies at depth 2" in capsys.readouterr().err

@@ -179,3 +179,25 @@ def test_phase_times_means_and_the_phase_that_ran_out_of_memory():
     assert times.loc[(16, 64), ["forward", "backward"]].tolist() == [2.0, 4.0]
     assert pd.isna(times.loc[(16, 64), "oom_phase"])
     assert times.loc[(16, 128), "oom_phase"] == "backward" and math.isnan(times.loc[(16, 128), "backward"])
+
+
+def test_analysis_picks_the_best_k_and_its_neighbours():
+    cells = pd.DataFrame({
+        "policy": ["selective", "every:2", "none", "every:1", "every:3", "nested"],
+        "status": ["ok", "ok", "OOM", "ok", "OOM", "ok"],
+        "forward_backward_peak_mib": [30.0, 12.0, None, 14.0, None, 11.0],
+        "median_ms": [5.0, 6.0, None, 6.5, None, 8.0],
+        "saved_bytes": [1, 1, 1, 1, 1, 1],
+    })
+    block = pd.Series({"num_layers": 3, "residual_bytes": 10 * 2**20, "checkpoint_bytes": 2**20,
+                       "grad_bytes_per_block": 0})
+    table = analysis.checkpointing_cells(cells, block)
+    assert list(table["policy"]) == ["none", "every:1", "every:2", "every:3", "nested", "selective"]
+    assert list(table["predicted_mib"][:3]) == [30.0, 12.0, 20.0]  # N R; (N-1) c + R; c + 2R... max(20, 11)
+    best = analysis.best_one_level(table, "forward_backward_peak_mib")
+    assert best["k"] == 2 and best["smaller"]["value"] == 14.0 and best["larger"]["status"] == "OOM"
+    assert analysis.time_baseline(table) == ("selective", 5.0)  # none ran out of memory: the fastest instead
+    assert analysis.ratio_of(table, "selective", "every:1", "median_ms") == pytest.approx(5.0 / 6.5)
+    assert analysis.analytic_optimum(block)["k"] == 1
+    model = analysis.nested_asymptotics([4, 32], block)
+    assert list(model["nested_checkpoints"]) == [2, 5] and list(model["nested_forwards"]) == [10, 128]

@@ -16,6 +16,7 @@ and one forward counted for the bytes it saves for backward. Rows (one per cell 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     device = resolve_device(args.device)
     rows = []
     for depth, autocast in itertools.product(args.depths, args.autocast):
-        sizes = or_oom(lambda: block_sizes(config(args, depth), args.batch_size, device, workload.AUTOCAST[autocast]))
+        dtype = workload.AUTOCAST[autocast]
+        sizes = or_oom(functools.partial(block_sizes, config(args, depth), args.batch_size, device, dtype))
         block = sizes if isinstance(sizes, dict) else {"status": "OOM"}
         rows.append({"record": "block", "num_layers": depth, "autocast": autocast, "status": "ok", **block})
         smallest_oom = None

@@ -177,3 +177,105 @@ def log_slope(x: pd.Series, y: pd.Series) -> float:
     """The exponent k of y ∝ x^k between the last two points."""
     lx, ly = np.log(x.to_numpy(float)), np.log(y.to_numpy(float))
     return (ly[-1] - ly[-2]) / (lx[-1] - lx[-2])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Activation checkpointing (2026 §3.2): measured policies beside the residual model of cs336_systems.checkpointing
+
+MIB_BYTES = 2**20
+
+
+def checkpoint_policy_key(policy: str) -> tuple[int, int]:
+    """Sort key: none, every:1 .. every:N, nested, selective."""
+    kind, _, k = policy.partition(":")
+    return {"none": 0, "every": 1, "nested": 2, "selective": 3}.get(kind, 4), int(k) if k else 0
+
+
+def checkpointing_cells(cells: pd.DataFrame, block: pd.Series) -> pd.DataFrame:
+    """The cells of one (depth, autocast), in policy order, with `k` (every:K, else NaN), `saved_mib`, and the
+    residual model's `predicted_mib` (activations and block gradients at the backward's peak, from the block's
+    measured R, c, w; NaN for selective, which the model leaves out) and `forward_evaluations`."""
+    from cs336_systems import checkpointing
+
+    n = int(block["num_layers"])
+    sizes = [block[key] for key in ("residual_bytes", "checkpoint_bytes", "grad_bytes_per_block")]
+    out = cells.assign(order=cells["policy"].map(checkpoint_policy_key)).sort_values("order").drop(columns="order")
+    out["k"] = out["policy"].map(lambda p: float(p.split(":")[1]) if p.startswith("every:") else math.nan)
+    out["saved_mib"] = out.get("saved_bytes", pd.Series(math.nan, index=out.index)) / MIB_BYTES
+    out["predicted_mib"] = [
+        math.nan if p == "selective" else checkpointing.predicted_peak(p, n, *sizes) / MIB_BYTES
+        for p in out["policy"]
+    ]
+    out["forward_evaluations"] = [checkpointing.forward_evaluations(p, n) for p in out["policy"]]
+    return out.reset_index(drop=True)
+
+
+def time_baseline(cells: pd.DataFrame) -> tuple[str, float] | None:
+    """The policy step times are compared with: none where it ran, else the fastest that ran."""
+    ok = cells[(cells["status"] == "ok") & cells["median_ms"].notna()]
+    if ok.empty:
+        return None
+    none = ok[ok["policy"] == "none"]
+    row = none.iloc[0] if len(none) else ok.loc[ok["median_ms"].idxmin()]
+    return str(row["policy"]), float(row["median_ms"])
+
+
+def best_one_level(cells: pd.DataFrame, value: str) -> dict[str, Any] | None:
+    """The every:K whose measured `value` (a peak) is smallest, with the next smaller and larger K that exist
+    (their value, or their status where they did not run)."""
+    every = cells[cells["k"].notna()].set_index("k")
+    ok = every[(every["status"] == "ok") & every[value].notna()]
+    if ok.empty:
+        return None
+    best = ok[value].idxmin()
+
+    def neighbour(k: float) -> dict[str, Any] | None:
+        if k not in every.index:
+            return None
+        row = every.loc[k]
+        return {"k": int(k), "status": row["status"], "value": row[value] if row["status"] == "ok" else None}
+
+    return {"k": int(best), "value": float(ok.loc[best, value]), "smaller": neighbour(best - 1),
+            "larger": neighbour(best + 1)}
+
+
+def analytic_optimum(block: pd.Series) -> dict[str, float]:
+    """K* of the residual model (the smallest predicted peak, activations and block gradients) and its predicted
+    peak in MiB; also the K of the pure activation model (no gradients) and sqrt(N c / R), its continuous
+    approximation."""
+    from cs336_systems import checkpointing
+
+    n = int(block["num_layers"])
+    r, c, w = (float(block[key]) for key in ("residual_bytes", "checkpoint_bytes", "grad_bytes_per_block"))
+    k = checkpointing.optimal_k(n, r, c, w)
+    return {
+        "k": k,
+        "predicted_mib": checkpointing.predicted_peak(f"every:{k}", n, r, c, w) / MIB_BYTES,
+        "k_activations_only": checkpointing.optimal_k(n, r, c),
+        "k_continuous": math.sqrt(n * c / r),
+    }
+
+
+def ratio_of(cells: pd.DataFrame, policy: str, other: str, value: str) -> float | None:
+    """cells' `value` of `policy` over that of `other`, where both ran."""
+    ok = cells[(cells["status"] == "ok") & cells[value].notna()].set_index("policy")[value]
+    return float(ok[policy] / ok[other]) if {policy, other} <= set(ok.index) else None
+
+
+def nested_asymptotics(depths: list[int], block: pd.Series) -> pd.DataFrame:
+    """Per depth N, the residual model's peak activation memory (no gradients: §3.2 a) of none, every:1 and
+    nested, the checkpoints nested holds at its peak, and the block forwards (compute) of every:1 and nested."""
+    from cs336_systems import checkpointing
+
+    r, c = float(block["residual_bytes"]), float(block["checkpoint_bytes"])
+    rows = []
+    for n in depths:
+        peaks = {p: checkpointing.predicted_peak(p, n, r, c) / MIB_BYTES for p in ("none", "every:1", "nested")}
+        rows.append({
+            "num_layers": n,
+            **{f"{p}_mib": v for p, v in peaks.items()},
+            "nested_checkpoints": round((peaks["nested"] * MIB_BYTES - r) / c),
+            "every_1_forwards": checkpointing.forward_evaluations("every:1", n),
+            "nested_forwards": checkpointing.forward_evaluations("nested", n),
+        })
+    return pd.DataFrame(rows)
