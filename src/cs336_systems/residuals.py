@@ -231,8 +231,12 @@ def analytic_residuals(module: str, batch: int, seq: int, d_model: int, d_ff: in
         s.add("attn", "MaskedFillBackward0", (t, t), "~causal", dtype="bool")
         s.add("attn", "SoftmaxBackward0", (b, h, t, t), "probs")
         s.add("attn", "BmmBackward0", (b * h, t, t), "probs", storage_shape=(b, h, t, t))
-        # v is a permuted view of the qkv output: the bmm's reshape copies it.
-        s.add("attn", "BmmBackward0", (b * h, t, dh), "v (copy)", storage_shape=act)
+        # v is a permuted view of the qkv output; flattening (b, h) for bmm copies it, except at batch 1, where
+        # the view stays a view (of the whole qkv output).
+        if b == 1:
+            s.add("attn", "BmmBackward0", (b * h, t, dh), "attn.qkv.out", storage_shape=(b, t, 3 * d))
+        else:
+            s.add("attn", "BmmBackward0", (b * h, t, dh), "v (copy)", storage_shape=act)
     else:
         # The autograd Function saves L, Q, K, V, O; V is a view of the qkv projection's output, keeping all of it.
         op = "FlashAttentionTritonBackward"
