@@ -21,7 +21,7 @@ def _mib(value: float, sign: str = "") -> str:
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("residuals", "The autograd residuals")
+    found = ctx.table_or_reason("residuals", "The residuals experiment")
     if isinstance(found, str):
         return found
     frame, metas = found
