@@ -14,6 +14,7 @@ include: "rules/e2e.smk"
 include: "rules/single_gpu.smk"
 include: "rules/flash.smk"
 include: "rules/distributed.smk"
+include: "rules/residuals.smk"
 include: "rules/checkpointing.smk"
 include: "rules/report.smk"
 

@@ -201,3 +201,44 @@ def test_analysis_picks_the_best_k_and_its_neighbours():
     assert analysis.analytic_optimum(block)["k"] == 1
     model = analysis.nested_asymptotics([4, 32], block)
     assert list(model["nested_checkpoints"]) == [2, 5] and list(model["nested_forwards"]) == [10, 128]
+
+
+def _residual_rows(mode, shapes_bytes, module="block", attention="naive", heads=3):
+    """Measured residual rows: (storage_bytes, counted, is_parameter_object) per saved tensor, batch 2, context 4,
+    d_model 8, d_ff 16."""
+    return [{"module": module, "attention": attention, "heads": heads, "mode": mode, "source": "measured",
+             "status": "ok", "batch_size": 2, "context_length": 4, "d_model": 8, "d_ff": 16, "dtype": "float32",
+             "bytes": size, "storage_bytes": size, "counted": counted, "counted_bytes": size if counted else 0,
+             "is_parameter_object": parameter} for size, counted, parameter in shapes_bytes]
+
+
+def test_residual_totals_count_storages_once_and_the_handout_way_counts_every_save():
+    btd = 2 * 4 * 8 * 4
+    frame = pd.DataFrame(_residual_rows("eager", [(btd, True, False), (btd, False, False), (32, False, True)]))
+    [row] = analysis.residual_totals(frame).to_dict("records")
+    assert row["counted_mib"] * 2**20 == btd and row["handout_mib"] * 2**20 == 2 * btd
+    assert (row["tensors"], row["storages"], row["status"]) == (3, 1, "ok")
+
+
+def test_residual_size_class_names_formulas_and_joins_equal_ones():
+    dims = {"batch_size": 2, "context_length": 4, "d_model": 8, "d_ff": 16, "heads": 2, "dtype": "float32"}
+
+    def size_class(**row):
+        return analysis.residual_size_class(pd.Series({**dims, **row}))
+
+    assert size_class(storage_bytes=2 * 4 * 16 * 4) == "B·T·d_ff"
+    assert size_class(storage_bytes=2 * 2 * 4 * 4 * 4) == "B·T·d = B·h·T²"  # 2·4·8 = 2·2·4² = 64 elements
+    assert size_class(storage_bytes=4 * 4, dtype="bool") == "T² = B·h·T"  # bool: 1 byte per element
+    assert size_class(storage_bytes=7 * 4) == "other"
+
+
+def test_fusion_changes_pair_eager_and_compiled_by_size():
+    btd, btf = 2 * 4 * 8 * 4, 2 * 4 * 16 * 4
+    frame = pd.DataFrame(_residual_rows("eager", [(btd, True, False), (btd, True, False), (btf, True, False)])
+                         + _residual_rows("compiled", [(btd, True, False), (btf, True, False)])
+                         + _residual_rows("eager", [(btd, True, False)], attention="flash"))  # no compiled pair
+    changes = analysis.fusion_changes(analysis.residuals_by_size(frame)).set_index("size_class")
+    assert set(changes["attention"]) == {"naive"}
+    assert changes.loc["B·T·d", ["eager_tensors", "compiled_tensors"]].tolist() == [2, 1]
+    assert changes.loc["B·T·d", "change_mib"] * 2**20 == -btd
+    assert changes.loc["B·T·d_ff", "change_mib"] == 0

@@ -95,6 +95,7 @@ def test_changing_one_size_reruns_only_its_jobs(smoke):
         "compile_e2e",
         "ddp_benchmark",
         "sharding_benchmark",
+        "residuals",
         "checkpointing_policies",
         "checkpointing_depths",
         "writeup",

@@ -15,6 +15,7 @@ SECTIONS = [
     ("1.1.4 Profiling (nsys_profile)", "profiling"),
     ("1.1.5 Mixed precision", "mixed_precision"),
     ("1.1.6 Memory profiling", "memory"),
+    ("3.1 Autograd residuals (2026 §3.1)", "residuals"),
     ("3.2 Activation checkpointing (2026 §3.2)", "checkpointing"),
     ("1.2.1 PyTorch attention", "attention"),
     ("1.3.1 torch.compile", "torch_compile"),

@@ -279,3 +279,84 @@ def nested_asymptotics(depths: list[int], block: pd.Series) -> pd.DataFrame:
             "nested_forwards": checkpointing.forward_evaluations("nested", n),
         })
     return pd.DataFrame(rows)
+
+
+# 2026 §3.1 autograd residuals: totals per configuration, what each size of tensor costs, eager vs compiled
+
+RESIDUAL_KEYS = ["module", "attention", "heads", "mode", "source"]
+_ITEMSIZE = {"bool": 1, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+
+
+def residual_totals(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per configuration and source: status (ok, or the first other status), tensors saved, distinct
+    storages counted, counted MiB (each non-parameter storage once) and the handout's MiB (every saved tensor's
+    bytes, aliases included, except `nn.Parameter` objects)."""
+    frame = frame.assign(heads=frame["heads"].fillna(0).astype(int))
+    rows = []
+    for key, group in frame.groupby(RESIDUAL_KEYS, sort=False):
+        ok = group[group["status"] == "ok"]
+        status = "ok" if len(ok) else str(group["status"].iloc[0])
+        rows.append({
+            **dict(zip(RESIDUAL_KEYS, key, strict=True)),
+            "status": status,
+            "reason": group["reason"].dropna().iloc[0] if "reason" in group and group["reason"].notna().any()
+            else None,
+            "tensors": len(ok),
+            "storages": int(ok["counted"].astype(bool).sum()),
+            "counted_mib": ok["counted_bytes"].sum() / 2**20 if len(ok) else math.nan,
+            "handout_mib": ok.loc[~ok["is_parameter_object"].astype(bool), "bytes"].sum() / 2**20
+            if len(ok) else math.nan,
+        })
+    return pd.DataFrame(rows)
+
+
+def residual_size_formulas(batch: int, seq: int, d_model: int, d_ff: int, heads: int | None) -> dict[str, int]:
+    """Element counts of the tensor sizes a block makes, by formula (B batch, T context, h heads)."""
+    formulas = {"B·T·d": batch * seq * d_model, "3·B·T·d": 3 * batch * seq * d_model, "B·T·d_ff": batch * seq * d_ff,
+                "B·T": batch * seq, "T²": seq * seq, "d": d_model}
+    if heads:
+        formulas |= {"B·h·T²": batch * heads * seq * seq, "B·h·T": batch * heads * seq,
+                     "T·d_head/2": seq * (d_model // heads) // 2}
+    return formulas
+
+
+def residual_size_class(row: pd.Series) -> str:
+    """The formula(s) of a counted tensor's storage size ("B·T·d", "B·h·T²", ...); several joined by " = " when
+    the dimensions make them equal, "other" when none fits."""
+    heads = int(row["heads"]) if pd.notna(row.get("heads")) and row["heads"] else None
+    formulas = residual_size_formulas(int(row["batch_size"]), int(row["context_length"]), int(row["d_model"]),
+                                      int(row["d_ff"]), heads)
+    elements = row["storage_bytes"] // _ITEMSIZE.get(row["dtype"], 4)
+    names = [name for name, count in formulas.items() if count == elements]
+    return " = ".join(names) or "other"
+
+
+def residuals_by_size(frame: pd.DataFrame) -> pd.DataFrame:
+    """Counted MiB and tensor count per size class of the measured configurations (ok rows):
+    columns module, attention, heads, mode, size_class, tensors, mib."""
+    counted = frame[(frame["source"] == "measured") & (frame["status"] == "ok") & frame["counted"].astype(bool)]
+    if counted.empty:
+        return pd.DataFrame(columns=["module", "attention", "heads", "mode", "size_class", "tensors", "mib"])
+    counted = counted.assign(size_class=counted.apply(residual_size_class, axis=1),
+                             heads=counted["heads"].fillna(0).astype(int))
+    grouped = counted.groupby(["module", "attention", "heads", "mode", "size_class"], sort=False)
+    return grouped.agg(tensors=("counted_bytes", "size"), mib=("counted_bytes", lambda b: b.sum() / 2**20)
+                       ).reset_index()
+
+
+def fusion_changes(by_size: pd.DataFrame) -> pd.DataFrame:
+    """Per configuration (module, attention, heads) and size class: eager and compiled tensors and MiB, and the
+    change compiled − eager; only configurations measured in both modes."""
+    wide = by_size.pivot_table(index=["module", "attention", "heads", "size_class"], columns="mode",
+                               values=["tensors", "mib"], aggfunc="sum", fill_value=0)
+    if not {"eager", "compiled"} <= set(wide.columns.get_level_values(1)):
+        return pd.DataFrame(columns=["module", "attention", "heads", "size_class", "eager_tensors",
+                                     "compiled_tensors", "eager_mib", "compiled_mib", "change_mib"])
+    both = by_size.groupby(["module", "attention", "heads"])["mode"].nunique() == 2
+    wide.columns = [f"{mode}_{value}" for value, mode in wide.columns]
+    out = wide.reset_index()
+    out = out[out.set_index(["module", "attention", "heads"]).index.map(both).fillna(False).astype(bool)]
+    out = out.assign(change_mib=out["compiled_mib"] - out["eager_mib"])
+    columns = ["module", "attention", "heads", "size_class", "eager_tensors", "compiled_tensors", "eager_mib",
+               "compiled_mib", "change_mib"]
+    return out[columns].astype({"eager_tensors": int, "compiled_tensors": int}).reset_index(drop=True)

@@ -1,0 +1,39 @@
+# 2026 §3.1 autograd residuals: what RMSNorm and one Transformer block save for backward, eager and compiled,
+# naive and flash attention, measured with saved-tensor hooks beside the analytic count.
+RESIDUALS = R["residuals"]
+if RESIDUALS["size"] not in MODEL_SIZES:
+    raise WorkflowError(f"config.yaml: runs.{RUN}.residuals.size: unknown model size {RESIDUALS['size']!r}; "
+                        f"known: {list(MODEL_SIZES)}")
+
+
+rule residuals:
+    input:
+        code("experiments/residuals.py", "residuals.py", "flash_attention.py", "flash_triton.py",
+             "triton_interpreter.py"),
+    output:
+        csv=report(f"{RESULTS}/residuals/residuals.csv", caption="report/residuals.rst", category="Results",
+                   subcategory="3.1 Autograd residuals"),
+        json=f"{RESULTS}/residuals/residuals.json",
+    params:
+        size=RESIDUALS["size"],
+        model=model_dims(RESIDUALS["size"]),
+        batch_size=RESIDUALS["batch_size"],
+        context_length=RESIDUALS["context_length"],
+        heads=listed(RESIDUALS["heads"]),
+        device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/residuals/residuals.csv"),
+    threads: NEEDS["heavy"].threads
+    resources:
+        **job("heavy", gpu=GPU_JOB),
+    log:
+        f"{RESULTS}/logs/residuals.log",
+    conda:
+        ENV
+    shell:
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.residuals --size {params.size} --batch-size {params.batch_size} "
+        "--context-length {params.context_length} --heads {params.heads} --device {params.device} "
+        "--out {output.csv} 2> {log}"
+
+
+WRITEUP_INPUTS += [f"{RESULTS}/residuals/residuals.csv"]
