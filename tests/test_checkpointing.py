@@ -206,3 +206,20 @@ def test_benchmark_cli_rejects_a_policy_beyond_a_depth(capsys):
         bench.parse_args(["--size", "tiny", "--context-length", "16", "--depths", "2", "4", "--policies",
                           "every:3", "--out", "x.csv"])
     assert "--policies at depth 2" in capsys.readouterr().err
+
+
+def test_counting_saved_bytes_leaves_no_tensor_alive():
+    """The count must not keep the forward's graph (a pack hook that returns an output with its own grad_fn makes
+    a cycle through C++ that gc cannot free): the benchmark measures one cell after another in one process."""
+    import gc
+
+    def live_tensor_bytes() -> int:
+        gc.collect()
+        return sum(t.numel() * t.element_size() for t in gc.get_objects() if type(t) is torch.Tensor)
+
+    cfg = ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64)
+    model = TransformerLM(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.context_length))
+    before = live_tensor_bytes()
+    assert checkpointing.saved_bytes(lambda: model(tokens).sum()) > 0
+    assert live_tensor_bytes() == before

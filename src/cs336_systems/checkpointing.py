@@ -123,7 +123,9 @@ def saved_bytes(forward: Callable[[], object]) -> int:
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         count(t)
-        return t
+        # Not `t` itself: an output saved with its own grad_fn would make a reference cycle through C++ that
+        # Python's gc cannot see, and the whole graph (model, activations) would outlive the measurement.
+        return t.detach()
 
     token = _cached_output_seen.set(count)
     try:
