@@ -72,7 +72,8 @@ CODE_EDITS = [
     ("experiments/allreduce_benchmark.py", {"allreduce_benchmark": 2}),
     ("experiments/memory_profile.py", {"memory_profile": 1}),
     ("experiments/communication_accounting.py", {"communication_accounting": 1}),
-    ("flash_triton.py", {"flash_benchmark": 2, "flash_leaderboard": 1}),
+    # the residuals study also runs our FlashAttention (2026 §3.1)
+    ("flash_triton.py", {"flash_benchmark": 2, "flash_leaderboard": 1, "residuals": 1}),
     ("report/sections/e2e.py", {}),
 ]
 
