@@ -358,3 +358,18 @@ def evaluate(expr: sp.Basic, values: dict[sp.Symbol, float]) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{expr} is not finite at {values}")
     return value
+
+
+# What one device sends in each §8.1 collective of S bytes (its time times the egress rate), and in how many
+# steps: the counts that ring_collectives.py measures.
+COLLECTIVE_TIMES = {
+    "all_gather": ring_all_gather_time,
+    "reduce_scatter": ring_reduce_scatter_time,
+    "all_reduce": ring_all_reduce_time,
+    "alternate_all_reduce": alternate_all_reduce_time,
+}
+COLLECTIVE_STEPS = {"all_gather": N - 1, "reduce_scatter": N - 1, "all_reduce": 2 * (N - 1), "alternate_all_reduce": N - 1}
+
+
+def bytes_sent_per_device(collective: str) -> sp.Expr:
+    return sp.simplify(COLLECTIVE_TIMES[collective](S, N) * W)
