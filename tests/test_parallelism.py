@@ -99,7 +99,7 @@ def test_answers_are_dimensionally_sane(answer_index: int):
     if a.question == "8.4(a)":
         pytest.skip("equations, not a quantity")
     k = sp.Symbol("k", positive=True)
-    expr = a.expr.rhs if isinstance(a.expr, sp.core.relational.Relational) else a.expr
+    expr = a.expr.rhs if a.is_bound else a.expr
     scaled = expr.subs({C: k * C, W: k * W}, simultaneous=True)
     if "time" in a.quantity:
         # A max of times is a time when each argument is.
@@ -116,5 +116,12 @@ def test_every_answer_has_a_justification_that_renders_its_expression():
     for a in p.all_answers():
         assert a.justification.endswith(".")
         if a.question != "8.4(a)" and not isinstance(a.expr, sp.Max):
-            rhs = a.expr.rhs if isinstance(a.expr, sp.core.relational.Relational) else a.expr
+            rhs = a.expr.rhs if a.is_bound else a.expr
             assert sp.latex(rhs) in a.justification, a
+
+
+def test_the_tp_backward_is_a_series_of_equations_ending_in_one_all_reduce():
+    a = answer("8.4(a)", "backward pass")
+    assert a.latex.startswith(r"\begin{aligned}") and a.latex.count(r"\\") == len(a.equations) - 1
+    assert sum("all-reduce" in e for e in a.equations) == 1
+    assert {e.split(" = ")[0] for e in a.equations} >= {"dx", "dW_1^{(i)}", "dW_2^{(i)}", "dW_3^{(i)}"}

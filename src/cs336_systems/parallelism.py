@@ -29,12 +29,19 @@ FP16_BYTES = 2
 class Answer:
     question: str  # "8.2(a)"
     quantity: str  # what the expression is, e.g. "backward FLOPs per device"
-    expr: sp.Basic  # an expression, or a relation (N <= bound) for the device-count questions
+    expr: sp.Basic | None  # an expression, a relation (N <= bound) for the device counts; None for equations
     justification: str
+    equations: tuple[str, ...] = ()  # LaTeX, where the answer is a series of equations (8.4(a))
 
     @property
     def latex(self) -> str:
+        if self.equations:
+            return r"\begin{aligned}" + r" \\ ".join(self.equations) + r"\end{aligned}"
         return sp.latex(self.expr)
+
+    @property
+    def is_bound(self) -> bool:
+        return isinstance(self.expr, sp.core.relational.Relational)
 
 
 def matmul_flops(rows: sp.Expr, inner: sp.Expr, cols: sp.Expr) -> sp.Expr:
@@ -204,9 +211,10 @@ def tensor_parallel() -> list[Answer]:
         Answer(
             "8.4(a)",
             "backward pass",
-            sp.Symbol(r"\begin{aligned}" + r" \\ ".join(TP_BACKWARD_EQUATIONS) + r"\end{aligned}"),
+            None,
             "dy is replicated, so each device back-propagates through its own D_FF/N_TP slice without "
             "communication; only dx, a sum over the slices of W1 and W2, needs an all-reduce.",
+            TP_BACKWARD_EQUATIONS,
         ),
         Answer(
             "8.4(b)",
