@@ -125,3 +125,32 @@ def test_the_tp_backward_is_a_series_of_equations_ending_in_one_all_reduce():
     assert a.latex.startswith(r"\begin{aligned}") and a.latex.count(r"\\") == len(a.equations) - 1
     assert sum("all-reduce" in e for e in a.equations) == 1
     assert {e.split(" = ")[0] for e in a.equations} >= {"dx", "dW_1^{(i)}", "dW_2^{(i)}", "dW_3^{(i)}"}
+
+
+def test_the_cli_writes_every_answer_and_each_bound_per_hardware_and_ffn(tmp_path):
+    from cs336_systems.experiments import parallelism_analysis
+    from cs336_systems.provenance import read_rows
+
+    out = tmp_path / "answers.csv"
+    parallelism_analysis.main(["--hardware", "unit:1:1", "fast:2:1", "--ffn", "hand:6:8:4", "--out", str(out)])
+    frame, meta = read_rows(out)
+    answers, bounds = frame[frame.kind == "answer"], frame[frame.kind == "bound"]
+    assert len(answers) == len(p.all_answers())
+    assert len(bounds) == 2 * sum(a.is_bound for a in p.all_answers())
+    unit = bounds[bounds.hardware == "unit"].set_index(["question", "quantity"])["value"]
+    assert unit[("8.2(c)", "largest N_DP before communication-bound")] == pytest.approx(7)  # 1 + B W / C
+    assert unit[("8.5(c)", "largest N with overlapped axes")] == pytest.approx(49)  # the split test's point
+    split = frame[(frame.kind == "split") & (frame.hardware == "unit") & (frame.question == "8.5(d)")].iloc[0]
+    assert (split.N_FSDP, split.N_TP) == pytest.approx((4, 4))
+    assert meta["params"]["ffn"] == [["hand", 6, 8, 4]]
+
+
+@pytest.mark.parametrize("flags", [["--hardware", "h100:1e15"], ["--hardware", "h100:-1:1"], ["--ffn", "x:1:2"]])
+def test_the_cli_names_a_malformed_flag(flags, capsys):
+    from cs336_systems.experiments import parallelism_analysis
+
+    defaults = {"--hardware": ["u:1:1"], "--ffn": ["f:1:1:1"]}
+    argv = [*flags, *(word for key, value in defaults.items() if key not in flags for word in [key, *value])]
+    with pytest.raises(SystemExit):
+        parallelism_analysis.parse_args([*argv, "--out", "x.csv"])
+    assert flags[0] in capsys.readouterr().err
