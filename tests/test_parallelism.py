@@ -154,3 +154,19 @@ def test_the_cli_names_a_malformed_flag(flags, capsys):
     with pytest.raises(SystemExit):
         parallelism_analysis.parse_args([*argv, "--out", "x.csv"])
     assert flags[0] in capsys.readouterr().err
+
+
+def test_the_section_renders_each_answer_as_math_and_the_bounds_table(tmp_path):
+    from cs336_systems.experiments import parallelism_analysis
+    from cs336_systems.report.context import Context
+    from cs336_systems.report.sections import parallelism as section
+
+    ctx = Context(run="t", results=tmp_path, out_dir=tmp_path / "report")
+    assert "has no results in this run yet" in section.render(ctx)
+    out = tmp_path / "parallelism" / "answers.csv"
+    parallelism_analysis.main(["--hardware", "unit:1:1", "--ffn", "hand:6:8:4", "--out", str(out)])
+    text = section.render(Context(run="t", results=tmp_path, out_dir=tmp_path / "report"))
+    assert text.count("$$") == 2 * len(p.all_answers())
+    assert r"$$N_{DP} \leq \frac{B W}{C} + 1$$" in text
+    assert "| 8.5(c)     | largest N with overlapped axes" in text and "49.0" in text  # (1 + 6) (1 + 6)
+    assert "7.0 × 7.0" in text and "4.0 × 4.0" in text  # the optimal splits of the split test's point
