@@ -16,6 +16,7 @@ include: "rules/flash.smk"
 include: "rules/distributed.smk"
 include: "rules/residuals.smk"
 include: "rules/checkpointing.smk"
+include: "rules/parallelism.smk"
 include: "rules/report.smk"
 
 

@@ -1,0 +1,34 @@
+"""The §8.1 ring collectives on gloo through the real launcher: each equals torch.distributed's collective, and
+the bytes and steps it counts equal parallelism.py's formulas (tests/ring_worker.py asserts on every rank)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sympy as sp
+
+from cs336_systems import parallelism as p
+
+WORKER = Path(__file__).with_name("ring_worker.py")
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ring_collectives_match_torch_distributed_and_the_formulas(world_size: int):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
+    result = subprocess.run([*command, str(WORKER)], capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ring collectives OK on rank") == world_size, result.stdout + result.stderr
+
+
+def test_the_byte_formulas_at_a_hand_computed_point():
+    at = {p.S: 120, p.N: 4}
+    assert {name: int(p.bytes_sent_per_device(name).subs(at)) for name in p.COLLECTIVE_TIMES} == {
+        "all_gather": 90,
+        "reduce_scatter": 90,
+        "all_reduce": 180,
+        "alternate_all_reduce": 360,
+    }
+    assert sp.simplify(p.COLLECTIVE_STEPS["all_reduce"] - 2 * p.COLLECTIVE_STEPS["all_gather"]) == 0
