@@ -113,3 +113,8 @@ def test_sequence_longer_than_context_is_rejected():
 def test_an_unknown_size_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown model size 'huge'; known: tiny, small"):
         ModelConfig.from_name("huge")
+
+
+def test_a_named_size_with_one_dimension_overridden():
+    cfg = ModelConfig.from_name("small", num_layers=4, context_length=64)
+    assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.context_length) == (4, 768, 12, 64)

@@ -50,10 +50,11 @@ class ModelConfig:
 
     @classmethod
     def from_name(cls, size: str, **fields) -> ModelConfig:
-        """The model of a named size (sizes.MODEL_SIZES) with `fields` (context_length, attention, ...) set."""
+        """The model of a named size (sizes.MODEL_SIZES) with `fields` (context_length, attention, ...) set; a
+        field may also override one of the size's dimensions (a depth study's num_layers, say)."""
         if size not in MODEL_SIZES:
             raise ValueError(f"unknown model size {size!r}; known: {', '.join(MODEL_SIZES)}")
-        return cls(**MODEL_SIZES[size], **fields)
+        return cls(**{**MODEL_SIZES[size], **fields})
 
     def num_parameters(self) -> int:
         """Closed-form parameter count: embeddings + head, 4d^2 attention + 3 d d_ff SwiGLU + 2 norms per layer."""

@@ -54,8 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config(args: argparse.Namespace, depth: int, policy: str = "none") -> ModelConfig:
     """The model of --size with `depth` blocks (the depth study) and checkpoint `policy`."""
-    dims = {**MODEL_SIZES[args.size], "num_layers": depth}
-    return ModelConfig(**dims, context_length=args.context_length, attention=args.attention, checkpoint=policy)
+    return ModelConfig.from_name(
+        args.size, num_layers=depth, context_length=args.context_length, attention=args.attention, checkpoint=policy
+    )
 
 
 def cell_row(args, cfg: ModelConfig, autocast: str, device: torch.device, skip_reason: str | None) -> dict:

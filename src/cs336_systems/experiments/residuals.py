@@ -47,8 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(args: argparse.Namespace, heads: int, attention: str) -> ModelConfig:
-    dims = {**MODEL_SIZES[args.size], "num_heads": heads, "num_layers": 1}
-    return ModelConfig(**dims, context_length=args.context_length, attention=ATTENTION[attention])
+    return ModelConfig.from_name(
+        args.size, num_heads=heads, num_layers=1, context_length=args.context_length, attention=ATTENTION[attention]
+    )
 
 
 def configurations(args: argparse.Namespace):
