@@ -22,19 +22,15 @@ DDP_REPORT = dict(caption="report/ddp.rst", category="Results",
                   subcategory="2.2–2.3 Distributed data parallel training")
 
 
-def _of(setting, wildcards):
-    return setting(wildcards) if callable(setting) else setting
-
-
 def launched(nproc, backend, csv, also=None):
     """The params of a job of `nproc` processes on `backend` (values, or functions of the wildcards) whose table is
     `csv`: its `gpus` are what pin_gpus must hold (the `gpu` resource says the same, but Snakemake lowers it to the
     profile's limit, `--resources gpu=1`, and an NCCL job alone on a 2-GPU box should still get both); `gpus_ok`
     reruns a result skipped for lack of them; `also` is another output that gets the launcher's skipped row."""
-    gpus = lambda w: gpus_needed(_of(backend, w), int(_of(nproc, w)))
+    gpus = lambda w: gpus_needed(setting_of(backend, w), int(setting_of(nproc, w)))
     return dict(
-        nproc=lambda w: int(_of(nproc, w)),
-        backend=lambda w: _of(backend, w),
+        nproc=lambda w: int(setting_of(nproc, w)),
+        backend=lambda w: setting_of(backend, w),
         gpus=gpus,
         gpus_ok=lambda w: gpus_ok(gpus(w), csv.format(**w)),
         also=f"--also {also}" if also else "",
@@ -44,7 +40,7 @@ def launched(nproc, backend, csv, also=None):
 def rank_threads(nproc):
     """A CPU thread budget per rank (NEEDS["rank"].threads), for `nproc` ranks (a value or a function of the
     wildcards)."""
-    return lambda w: int(_of(nproc, w)) * NEEDS["rank"].threads
+    return lambda w: int(setting_of(nproc, w)) * NEEDS["rank"].threads
 
 
 # The launch pattern: no output of its own, so it never matches a target. A rule derived from it gives its outputs

@@ -79,13 +79,17 @@ def job(kind, gpu=0):
     return dict(gpu=gpu, mem_mb=NEEDS[kind].mem_mb, runtime=NEEDS[kind].runtime)
 
 
+def setting_of(setting, wildcards):
+    """A rule's setting given as a value or as a function of the wildcards (the all-reduce's world size)."""
+    return setting(wildcards) if callable(setting) else setting
+
+
 def ranks(nproc, backend):
     """The resources of a job of `nproc` processes on `backend`, each a value or a function of the wildcards:
     `resources: **ranks(2, "nccl")`. One GPU per rank with NCCL, none with gloo (ranks on CPUs); NEEDS["rank"]
     memory per rank."""
-    value = lambda setting, wildcards: setting(wildcards) if callable(setting) else setting
     return dict(
-        gpu=lambda w: gpus_needed(value(backend, w), int(value(nproc, w))),
-        mem_mb=lambda w: int(value(nproc, w)) * NEEDS["rank"].mem_mb,
+        gpu=lambda w: gpus_needed(setting_of(backend, w), int(setting_of(nproc, w))),
+        mem_mb=lambda w: int(setting_of(nproc, w)) * NEEDS["rank"].mem_mb,
         runtime=NEEDS["rank"].runtime,
     )
