@@ -31,6 +31,8 @@ rule checkpointing_policies:
         attention=CKPT_POLICIES["attention"],
         warmup=CKPT_POLICIES["warmup"],
         steps=CKPT_POLICIES["steps"],
+        # every policy and K unless the run lists some (one fp32 cell of a 3B model takes half a minute on an H100)
+        policies=f"--policies {listed(CKPT_POLICIES['policies'])}" if "policies" in CKPT_POLICIES else "",
         device=R["device"],
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/checkpointing/{w.autocast}.csv"),
     threads: NEEDS["heavy"].threads
@@ -42,7 +44,8 @@ rule checkpointing_policies:
         ENV
     shell:
         "pin_gpus {resources.gpu}; "
-        f"{CHECKPOINTING_CLI} --autocast {{wildcards.autocast}} --skip-after-oom --out {{output.csv}} 2> {{log}}"
+        f"{CHECKPOINTING_CLI} --autocast {{wildcards.autocast}} {{params.policies}} --skip-after-oom "
+        "--out {output.csv} 2> {log}"
 
 
 rule checkpointing_depths:

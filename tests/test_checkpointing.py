@@ -223,3 +223,13 @@ def test_counting_saved_bytes_leaves_no_tensor_alive():
     before = live_tensor_bytes()
     assert checkpointing.saved_bytes(lambda: model(tokens).sum()) > 0
     assert live_tensor_bytes() == before
+
+
+def test_saved_bytes_is_unknown_where_the_selective_policy_cannot_see_its_cached_outputs(monkeypatch):
+    class ContextBefore212:  # torch < 2.12 passes no op_output to the policy
+        def __init__(self, *, is_recompute, op_output=None):
+            self.is_recompute = is_recompute
+
+    monkeypatch.setattr(torch.utils.checkpoint, "SelectiveCheckpointContext", ContextBefore212)
+    assert saved("selective") is None
+    assert saved("every:1") > 0

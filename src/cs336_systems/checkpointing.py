@@ -38,8 +38,9 @@ SAVED_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
 
-# While `saved_bytes` counts, the outputs that selective checkpointing caches are reported here.
-_cached_output_seen: contextvars.ContextVar[Callable[[torch.Tensor], None] | None] = contextvars.ContextVar(
+# While `saved_bytes` counts, the outputs that selective checkpointing caches are reported here (None: the policy
+# cannot see them, as in torch < 2.12, whose policy context has no `op_output`).
+_cached_output_seen: contextvars.ContextVar[Callable[[torch.Tensor | None], None] | None] = contextvars.ContextVar(
     "cached_output_seen", default=None
 )
 
@@ -98,7 +99,9 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     if op in SAVED_OPS:
         seen = _cached_output_seen.get()
         if seen is not None:
-            for out in torch.utils._pytree.tree_leaves(ctx.op_output):
+            if not hasattr(ctx, "op_output"):
+                seen(None)
+            for out in torch.utils._pytree.tree_leaves(getattr(ctx, "op_output", None)):
                 if isinstance(out, torch.Tensor):
                     seen(out)
         return CheckpointPolicy.MUST_SAVE
@@ -108,13 +111,19 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 _selective_contexts = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
 
 
-def saved_bytes(forward: Callable[[], object]) -> int:
+def saved_bytes(forward: Callable[[], object]) -> int | None:
     """Bytes that `forward()` keeps for backward: every tensor autograd saves (`saved_tensors_hooks`) and every
     output selective checkpointing caches, each storage counted once, parameters not counted (they exist
-    anyway). The graph is dropped afterwards."""
+    anyway); None where selective checkpointing cached outputs this torch cannot show its policy. The graph is
+    dropped afterwards."""
     storages: dict[tuple[torch.device, int], int] = {}
+    unknown = False
 
-    def count(t: torch.Tensor) -> None:
+    def count(t: torch.Tensor | None) -> None:
+        nonlocal unknown
+        if t is None:
+            unknown = True
+            return
         if isinstance(t, nn.Parameter):
             return
         storage = t.untyped_storage()
@@ -133,7 +142,7 @@ def saved_bytes(forward: Callable[[], object]) -> int:
             forward()
     finally:
         _cached_output_seen.reset(token)
-    return sum(storages.values())
+    return None if unknown else sum(storages.values())
 
 
 # The model of the residual sizes (§3.2 a, b).
