@@ -19,9 +19,9 @@ def config(num_layers: int = NUM_LAYERS, **fields) -> ModelConfig:
     )
 
 
-def model_and_tokens(num_layers: int = NUM_LAYERS) -> tuple[TransformerLM, torch.Tensor]:
+def model_and_tokens(num_layers: int = NUM_LAYERS, **fields) -> tuple[TransformerLM, torch.Tensor]:
     torch.manual_seed(0)
-    return TransformerLM(config(num_layers)), torch.randint(0, 61, (2, 16))
+    return TransformerLM(config(num_layers, **fields)), torch.randint(0, 61, (2, 16))
 
 
 def with_policy(model: TransformerLM, policy: str) -> TransformerLM:
@@ -35,22 +35,27 @@ def gradients(model: TransformerLM, tokens: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("policy", ["none", "every:1", "every:2", f"every:{NUM_LAYERS}", "nested", "selective"])
-def test_gradients_are_bitwise_those_of_the_plain_model(policy):
-    model, tokens = model_and_tokens()
+@pytest.mark.parametrize(
+    "policy", ["none", "every:1", "every:2", f"every:{NUM_LAYERS}", "nested", "selective", "selective:attention"]
+)
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])  # the selective policies keep fused attention's outputs
+def test_gradients_are_bitwise_those_of_the_plain_model(policy, attention):
+    model, tokens = model_and_tokens(attention=attention)
     plain = gradients(with_policy(model, "none"), tokens)
     checkpointed = gradients(with_policy(model, policy), tokens)
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed, strict=True))
 
 
 def test_every_policy_of_the_sweep_is_valid_and_the_sweep_is_complete():
-    assert checkpointing.sweep(3) == ["none", "every:1", "every:2", "every:3", "nested", "selective"]
+    assert checkpointing.sweep(3) == [
+        "none", "every:1", "every:2", "every:3", "nested", "selective", "selective:attention"
+    ]
     for policy in checkpointing.sweep(3):
         config(3, checkpoint=policy)
 
 
-def saved(policy: str, num_layers: int = NUM_LAYERS) -> int:
-    model, tokens = model_and_tokens(num_layers)
+def saved(policy: str, num_layers: int = NUM_LAYERS, attention: str = "naive") -> int:
+    model, tokens = model_and_tokens(num_layers, attention=attention)
     return checkpointing.saved_bytes(lambda: with_policy(model, policy)(tokens))
 
 
@@ -68,6 +73,9 @@ def test_checkpointing_saves_fewer_bytes_for_backward():
 def test_selective_keeps_more_than_every_1_and_counts_its_cached_matmuls():
     # selective also keeps each block's matmul outputs, which only the SAC cache holds (no saved-tensor hook)
     assert saved("selective") > saved("every:1")
+    # keeping only fused attention's outputs sits between the two
+    kept = {policy: saved(policy, attention="sdpa") for policy in ("every:1", "selective:attention", "selective")}
+    assert kept["every:1"] < kept["selective:attention"] < kept["selective"]
 
 
 def test_saved_bytes_counts_a_storage_once_and_skips_parameters():

@@ -8,6 +8,9 @@ Policies (`ModelConfig.checkpoint`), all on `torch.utils.checkpoint.checkpoint(.
              checkpointed, down to single blocks: O(log N) checkpoints held at once, O(N log N) forward compute
   selective  one checkpoint per block whose matmul outputs (and attention's) are kept: only norms, activations
              and elementwise ops are recomputed (`create_selective_checkpoint_contexts`)
+  selective:attention
+             one checkpoint per block that keeps only attention's outputs: everything else, matmuls included, is
+             recomputed; a block then holds about one more block input, and backward does not rerun attention
 
 The model of the residual sizes (`held_during_backward`, `predicted_peak`, `forward_evaluations`): one block
 saves R bytes for backward (its input included), a checkpoint is one block input of c bytes, and each block's
@@ -27,16 +30,15 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 KINDS = ("none", "every:K", "nested", "selective")
 
 aten = torch.ops.aten
-# What `selective` keeps: the outputs of matmuls and of fused attention (expensive to recompute).
-SAVED_OPS = {
-    aten.mm.default,
-    aten.bmm.default,
-    aten.addmm.default,
+MATMUL_OPS = {aten.mm.default, aten.bmm.default, aten.addmm.default}
+ATTENTION_OPS = {
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+# What each selective policy keeps; every other op of the block is recomputed in backward.
+SELECTIVE = {"selective": MATMUL_OPS | ATTENTION_OPS, "selective:attention": ATTENTION_OPS}
 
 # While `saved_bytes` counts, the outputs that selective checkpointing caches are reported here (None: the policy
 # cannot see them, as in torch < 2.12, whose policy context has no `op_output`).
@@ -48,20 +50,22 @@ _cached_output_seen: contextvars.ContextVar[Callable[[torch.Tensor | None], None
 def parse(policy: str, num_layers: int) -> tuple[str, int]:
     """("none" | "every" | "nested" | "selective", K) for a policy name; K is 0 except for every:K. A bad name
     or a K outside 1..num_layers is a ValueError naming the field `ModelConfig.checkpoint`."""
-    if policy in ("none", "nested", "selective"):
+    if policy in ("none", "nested"):
         return policy, 0
+    if policy in SELECTIVE:
+        return "selective", 0
     kind, _, k = policy.partition(":")
     if kind == "every" and k.isdigit() and 1 <= int(k) <= num_layers:
         return kind, int(k)
     raise ValueError(
-        f"ModelConfig.checkpoint={policy!r}: choose none, nested, selective or every:K with K an integer "
+        f"ModelConfig.checkpoint={policy!r}: choose none, nested, {', '.join(SELECTIVE)} or every:K with K an integer "
         f"from 1 to num_layers={num_layers}"
     )
 
 
 def sweep(num_layers: int) -> list[str]:
-    """Every policy for a model of `num_layers` blocks: none, every:1 .. every:N, nested, selective."""
-    return ["none", *(f"every:{k}" for k in range(1, num_layers + 1)), "nested", "selective"]
+    """Every policy for a model of `num_layers` blocks: none, every:1 .. every:N, nested, the selective ones."""
+    return ["none", *(f"every:{k}" for k in range(1, num_layers + 1)), "nested", *SELECTIVE]
 
 
 def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: str) -> torch.Tensor:
@@ -76,7 +80,7 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: str) -> tor
     if kind == "nested":
         return _nested(blocks, x)
     for block in blocks:
-        x = checkpoint(block, x, use_reentrant=False, context_fn=_selective_contexts)
+        x = checkpoint(block, x, use_reentrant=False, context_fn=_SELECTIVE_CONTEXTS[policy])
     return x
 
 
@@ -95,8 +99,8 @@ def _nested(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
     return checkpoint(_nested, blocks[half:], x, use_reentrant=False)
 
 
-def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in SAVED_OPS:
+def _keep(kept: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in kept:
         seen = _cached_output_seen.get()
         if seen is not None:
             if not hasattr(ctx, "op_output"):
@@ -108,7 +112,10 @@ def _keep_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_selective_contexts = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+_SELECTIVE_CONTEXTS = {
+    name: functools.partial(create_selective_checkpoint_contexts, functools.partial(_keep, kept))
+    for name, kept in SELECTIVE.items()
+}
 
 
 def saved_bytes(forward: Callable[[], object]) -> int | None:
@@ -203,7 +210,7 @@ def forward_evaluations(policy: str, num_layers: int) -> int:
     kind, _ = parse(policy, num_layers)
     if kind == "none":
         return num_layers
-    if kind in ("every", "selective"):  # selective runs every block again, its matmuls excepted
+    if kind in ("every", "selective"):  # selective runs every block again, less the ops it keeps
         return 2 * num_layers
     if num_layers == 1:
         return 1

@@ -76,7 +76,7 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 4) -> None:
     g.add_argument("--batch-size", type=positive_int, default=batch_size, help="sequences per batch (per rank)")
     g.add_argument("--attention", choices=sorted(ATTENTION), default="naive")
     g.add_argument(
-        "--checkpoint", default="none", help="activation checkpointing: none, every:K, nested or selective"
+        "--checkpoint", default="none", help="activation checkpointing: none, every:K, nested, selective or selective:attention"
     )
     if isinstance(p, Parser):  # the policy is checked against the size's number of layers
         p.checks.append(lambda args: ModelConfig.from_name(args.size, checkpoint=args.checkpoint))

@@ -185,10 +185,10 @@ def log_slope(x: pd.Series, y: pd.Series) -> float:
 MIB_BYTES = 2**20
 
 
-def checkpoint_policy_key(policy: str) -> tuple[int, int]:
-    """Sort key: none, every:1 .. every:N, nested, selective."""
+def checkpoint_policy_key(policy: str) -> tuple[int, int, str]:
+    """Sort key: none, every:1 .. every:N, nested, the selective ones."""
     kind, _, k = policy.partition(":")
-    return {"none": 0, "every": 1, "nested": 2, "selective": 3}.get(kind, 4), int(k) if k else 0
+    return {"none": 0, "every": 1, "nested": 2, "selective": 3}.get(kind, 4), int(k) if k.isdigit() else 0, policy
 
 
 def checkpointing_cells(cells: pd.DataFrame, block: pd.Series) -> pd.DataFrame:
@@ -203,7 +203,7 @@ def checkpointing_cells(cells: pd.DataFrame, block: pd.Series) -> pd.DataFrame:
     out["k"] = out["policy"].map(lambda p: float(p.split(":")[1]) if p.startswith("every:") else math.nan)
     out["saved_mib"] = out.get("saved_bytes", pd.Series(math.nan, index=out.index)) / MIB_BYTES
     out["predicted_mib"] = [
-        math.nan if p == "selective" else checkpointing.predicted_peak(p, n, *sizes) / MIB_BYTES
+        math.nan if p.startswith("selective") else checkpointing.predicted_peak(p, n, *sizes) / MIB_BYTES
         for p in out["policy"]
     ]
     out["forward_evaluations"] = [checkpointing.forward_evaluations(p, n) for p in out["policy"]]
