@@ -50,6 +50,10 @@ def render(ctx: Context) -> str:
     if not on_cuda:
         out += ["Memory is measured on CUDA only; this run shows the bytes saved for backward in one forward instead.", ""]
     cells, blocks = frame[frame["record"] == "cell"], frame[frame["record"] == "block"]
+    ran = cells[cells["status"] == "ok"]
+    if ran[ran["policy"].str.startswith("selective")]["saved_bytes"].isna().any():
+        out += ["Saved for backward is — for a selective policy where this torch (before 2.12) does not show the "
+                "policy the outputs it caches.", ""]
     for autocast in [a for a in ("none", "bf16", "fp16") if a in set(cells["autocast"])]:
         block = blocks[blocks["autocast"] == autocast].iloc[0]
         table = checkpointing_cells(cells[cells["autocast"] == autocast], block)
@@ -139,7 +143,7 @@ def selective_sentences(table: pd.DataFrame) -> list[str]:
             sentences.append(f"{policy} and every:1 did not both run, so they are not compared.")
             continue
         met = time < 1 and peak <= 1.5
-        sentences.append(f"{policy} takes {time:.2f}× every:1's step time at {peak:.2f}× its peak: the goal "
+        sentences.append(f"{policy} takes {time:.3f}× every:1's step time at {peak:.2f}× its peak: the goal "
                          f"(faster, peak within 1.5×) is {'met' if met else 'not met'}.")
     return sentences
 
@@ -152,16 +156,17 @@ def policy_figure(ctx: Context, table: pd.DataFrame, n: int, autocast: str, on_c
     every, others = ok[ok["k"].notna()], ok[ok["k"].isna()]
     baseline = time_baseline(table)
     fig, (memory, time) = plt.subplots(1, 2, figsize=(11, 4))
-    memory.plot(every["k"], every[column], "o-", label="every:K measured")
+    memory.plot(every["k"], every[column], "o-", color="C0", label="every:K measured")
     if on_cuda:
         predicted = table[table["k"].notna()]
-        memory.plot(predicted["k"], predicted["predicted_mib"] + ok["base_mib"].median(), "--", label="every:K model")
+        memory.plot(predicted["k"], predicted["predicted_mib"] + ok["base_mib"].median(), "--", color="C1",
+                    label="every:K model")
     for i, (_, row) in enumerate(others.iterrows()):
-        memory.plot([n + 1 + i], [row[column]], "s", label=row["policy"])
+        memory.plot([n + 1 + i], [row[column]], "s", color=f"C{2 + i}", label=row["policy"])
         if baseline:
-            time.plot([n + 1 + i], [row["median_ms"] / baseline[1] - 1], "s", label=row["policy"])
+            time.plot([n + 1 + i], [row["median_ms"] / baseline[1] - 1], "s", color=f"C{2 + i}", label=row["policy"])
     if baseline:
-        time.plot(every["k"], every["median_ms"] / baseline[1] - 1, "o-", label="every:K")
+        time.plot(every["k"], every["median_ms"] / baseline[1] - 1, "o-", color="C0", label="every:K")
         time.set(xlabel="K (others to the right)", ylabel=f"step time overhead vs {baseline[0]}")
         time.legend()
     memory.set(xlabel="K (others to the right)", ylabel=label, title=PRECISION[autocast])
@@ -215,11 +220,11 @@ def depth_study(ctx: Context) -> str:
             measured = row["activation_peak_mib"] if column != "saved_mib" else row["saved_mib"]
             rows.append({"N": int(n), "policy": row["policy"], "status": row["status"],
                          "measured MiB": measured if row["status"] == "ok" else None,
-                         "predicted MiB": row["predicted_mib"] if pd.notna(row["predicted_mib"]) else None,
-                         "step ms": row["median_ms"]})
+                         "predicted MiB": row["predicted_mib"], "step ms": row["median_ms"]})
             if column != "saved_mib" and row["status"] == "ok" and pd.notna(row["predicted_mib"]):
                 checks.append(measured / row["predicted_mib"])
     shown = pd.DataFrame(rows)
+    shown["predicted MiB"] = shown["predicted MiB"].map(lambda v: f"{v:,.1f}" if pd.notna(v) else "—")
     what = ("activations = peak − weights and AdamW state" if column != "saved_mib"
             else "bytes saved for backward in one forward (memory is measured on CUDA only)")
     text = [provenance_line(metas),
