@@ -50,3 +50,30 @@ def get_sharded_optimizer(
     from cs336_systems.sharded_optimizer import ShardedOptimizer
 
     return ShardedOptimizer(params, optimizer_cls, **kwargs)
+
+
+# The 2026 edition's hooks (ADDENDUM-2026.md).
+
+
+def get_ddp(module: torch.nn.Module) -> torch.nn.Module:
+    from cs336_systems.ddp import OverlapIndividualDDP
+
+    return OverlapIndividualDDP(module)
+
+
+def ddp_on_after_backward(ddp_model: Any, optimizer: torch.optim.Optimizer) -> None:
+    ddp_model.finish_gradient_synchronization()
+
+
+def get_fsdp(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    from cs336_systems.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(module, compute_dtype=compute_dtype)
+
+
+def fsdp_on_after_backward(fsdp_model: Any, optimizer: torch.optim.Optimizer) -> None:
+    fsdp_model.finish_gradient_synchronization()
+
+
+def fsdp_gather_full_params(fsdp_model: Any) -> dict[str, torch.Tensor]:
+    return fsdp_model.gather_full_params()

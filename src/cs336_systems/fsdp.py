@@ -1,0 +1,318 @@
+"""Fully-sharded data parallel (2026 handout §7): each rank stores 1/world of every Linear and Embedding weight.
+
+    fsdp = FullyShardedDataParallel(model, compute_dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(fsdp.parameters())     # each rank's shards and the replicated parameters
+    loss_fn(fsdp(x), y).backward()
+    fsdp.finish_gradient_synchronization()               # shard gradients reduced, replicated ones averaged
+    optimizer.step()
+    full = fsdp.gather_full_params()                     # every parameter, full, by its name in `model`
+
+**What is sharded.** The `weight` of every layer that is a `torch.nn.Linear` or `torch.nn.Embedding`, or whose
+class is named `Linear` or `Embedding` and holds a 2-D `weight` Parameter: other packages' layers that behave
+like them (the basics model's own Linear, weight (d_out, d_in) used as `x @ W.T`, and Embedding, weight
+(vocab, d) indexed by ids). A trainable weight becomes a flat float32 shard of ceil(numel / world) elements (the
+last rank's padded with zeros), registered in the layer under its old name, so `model.named_parameters()` names
+the shards; everything else (norms, biases) is replicated and its gradients are averaged. A frozen weight stays
+whole and frozen; a weight shared by two layers (tied) is refused at construction.
+
+**Forward.** A layer's full weight exists only around its use: all-gathered (in `compute_dtype`, cast before
+communicating) into a buffer whose storage is freed after the layer's forward. The gather of the layer at
+position i (in the order the layers ran in the first forward) starts once the layer at i - prefetch_distance has
+finished its forward, asynchronously, and is waited for right before the layer runs.
+
+**Backward.** Before a layer's backward (a hook on its output's gradient) its weight is gathered again into the
+same storage, which autograd saved, and the layer before it is prefetched. The weight's gradient, once
+accumulated, is reduce-scattered in float32 to its owner asynchronously and the storage freed again;
+`finish_gradient_synchronization` waits for the outstanding reductions and writes each shard's `.grad`
+(float32, the average over ranks), so any torch.optim optimizer steps only its shard.
+
+Memory per rank: the shards and replicated parameters with their gradients and optimizer state, plus the full
+weights of the few layers gathered at a time and, briefly, a layer's full gradient (float32) while it is being
+reduced. With `measure_communication = True`, `last_step_stats` holds per step the time spent waiting for
+all-gathers (exposed communication: CUDA events around the wait on the compute stream, wall time on gloo) and
+for the final synchronisation, and the bytes each rank received or sent.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SHARDED_CLASS_NAMES = ("Linear", "Embedding")
+# torch 2.13 renamed these two; the old names warn there, and the assignment's tests turn warnings into errors.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def is_sharded_layer(module: nn.Module) -> bool:
+    """A Linear or Embedding layer of torch or of another package (see the module docstring)."""
+    weight = module._parameters.get("weight")
+    if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+        return False
+    return isinstance(module, (nn.Linear, nn.Embedding)) or type(module).__name__ in SHARDED_CLASS_NAMES
+
+
+class _Stopwatch:
+    """How long the compute stream (CUDA: two events, read later without stalling the step) or the caller
+    (elsewhere) waited for a collective."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.intervals: list = []
+
+    def wait(self, work: dist.Work) -> None:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work.wait()
+            end.record()
+            self.intervals.append((start, end))
+        else:
+            start = time.perf_counter()
+            work.wait()
+            self.intervals.append(time.perf_counter() - start)
+
+    def seconds(self) -> float:
+        if self.cuda:
+            total = 0.0
+            for start, end in self.intervals:
+                end.synchronize()
+                total += start.elapsed_time(end) / 1e3
+        else:
+            total = sum(self.intervals)
+        self.intervals.clear()
+        return total
+
+
+class _ShardedWeight:
+    """One layer's weight: its float32 shard (a Parameter of the layer) and the full weight's buffer."""
+
+    def __init__(self, name: str, layer: nn.Module, rank: int, world: int, compute_dtype: torch.dtype):
+        weight = layer.weight
+        self.name, self.layer, self.shape, self.numel = name, layer, weight.shape, weight.numel()
+        self.world = world
+        self.shard_numel = math.ceil(self.numel / world)
+        padded = torch.zeros(self.shard_numel * world, dtype=torch.float32, device=weight.device)
+        padded[: self.numel] = weight.detach().reshape(-1).float()
+        self.shard = nn.Parameter(padded[rank * self.shard_numel : (rank + 1) * self.shard_numel].clone())
+        layer._parameters["weight"] = self.shard  # the layer's parameter is now its shard, under the same name
+        # The gathered weight: a flat buffer (what the all-gather writes) and `full`, a leaf tensor on the same
+        # storage with its own version counter, which the layer computes with and autograd saves; the storage is
+        # freed between uses (resized to 0) and refilled before the backward reads it again.
+        self.buffer = torch.empty(self.shard_numel * world, dtype=compute_dtype, device=weight.device)
+        self.full = torch.empty(0, dtype=compute_dtype, device=weight.device)
+        self.full.set_(self.buffer.untyped_storage(), 0, self.shape)
+        self.full.requires_grad_(True)
+        self.free()
+        self.gather_work: dist.Work | None = None
+        self.reduce: tuple[dist.Work, torch.Tensor] | None = None
+
+    @property
+    def gathered(self) -> bool:
+        return self.buffer.untyped_storage().nbytes() > 0
+
+    def start_gather(self) -> dist.Work | None:
+        """Refill the full weight from every rank's shard (cast to the compute dtype first), asynchronously."""
+        if self.gathered:
+            return None
+        self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+        local = self.shard.detach().to(self.buffer.dtype)
+        self.gather_work = _all_gather(self.buffer, local, async_op=True)
+        return self.gather_work
+
+    def free(self) -> None:
+        self.buffer.untyped_storage().resize_(0)
+
+    def use_full_weight(self) -> None:
+        self.layer._parameters["weight"] = self.full  # type: ignore[assignment]  (a leaf tensor, not a Parameter)
+
+    def use_shard(self) -> None:
+        self.layer._parameters["weight"] = self.shard
+
+
+def _broadcast_from_rank0(module: nn.Module) -> None:
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, src=0)
+
+
+class FullyShardedDataParallel(nn.Module):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, prefetch_distance: int = 2):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs an initialised process group (dist.init_process_group)")
+        if prefetch_distance < 1:
+            raise ValueError(f"prefetch_distance must be >= 1, got {prefetch_distance}")
+        if dist.get_backend() == "nccl":
+            on_cpu = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if not t.is_cuda]
+            if on_cpu:
+                raise ValueError(f"NCCL needs CUDA tensors; move the model to its GPU before wrapping: {on_cpu[:5]}")
+        self.module = module
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.prefetch_distance = prefetch_distance
+        _broadcast_from_rank0(module)
+
+        self.weights: list[_ShardedWeight] = []
+        owner: dict[int, str] = {}
+        for layer_name, layer in module.named_modules():
+            if not is_sharded_layer(layer):
+                continue
+            name = f"{layer_name}.weight" if layer_name else "weight"
+            if id(layer.weight) in owner:
+                raise ValueError(f"{type(self).__name__}: {name} and {owner[id(layer.weight)]} are one tied "
+                                 "Parameter; tied weights cannot be sharded")
+            owner[id(layer.weight)] = name
+            if layer.weight.requires_grad:
+                dtype = compute_dtype or layer.weight.dtype
+                self.weights.append(_ShardedWeight(name, layer, self.rank, self.world, dtype))
+        sharded = {id(w.shard) for w in self.weights}
+        self.replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in sharded]
+
+        self.order: list[int] = []  # positions of self.weights in the order the layers ran (first forward)
+        self._seen: list[int] = []
+        self._reductions: list[tuple[dist.Work, torch.Tensor, nn.Parameter]] = []
+        self._stopwatch = _Stopwatch(self.weights[0].full.device if self.weights else torch.device("cpu"))
+        self.measure_communication = False
+        self.last_step_stats: dict[str, float] = {}
+        self._bytes = dict.fromkeys(("bytes_all_gathered", "bytes_reduce_scattered", "bytes_all_reduced"), 0.0)
+        self.events: list[tuple[str, int]] = []  # ("gather", i) / ("forward_done", i) when record_events
+        self.record_events = False
+
+        this = weakref.ref(self)
+        for index, weight in enumerate(self.weights):
+            weight.layer.register_forward_pre_hook(_hook(this, "_before_forward", index))
+            weight.layer.register_forward_hook(_hook(this, "_after_forward", index))
+            weight.full.register_post_accumulate_grad_hook(_hook(this, "_gradient_ready", index))
+        for param in self.replicated:
+            param.register_post_accumulate_grad_hook(_hook(this, "_replicated_gradient_ready"))
+
+    # ------------------------------------------------------------------------------------------------ forward
+
+    def forward(self, *args, **kwargs):
+        self._seen = []
+        return self.module(*args, **kwargs)
+
+    def _sequence(self) -> list[int]:
+        return self.order or list(range(len(self.weights)))
+
+    def _gather(self, index: int) -> None:
+        weight = self.weights[index]
+        if weight.start_gather() is not None:
+            self._bytes["bytes_all_gathered"] += (self.world - 1) * weight.shard_numel * weight.buffer.element_size()
+            if self.record_events:
+                self.events.append(("gather", index))
+
+    def _wait_gathered(self, index: int) -> None:
+        weight = self.weights[index]
+        self._gather(index)
+        if weight.gather_work is not None:
+            if self.measure_communication:
+                self._stopwatch.wait(weight.gather_work)
+            else:
+                weight.gather_work.wait()
+            weight.gather_work = None
+
+    def _before_forward(self, index: int, *_) -> None:
+        self._seen.append(index)
+        sequence = self._sequence()
+        position = sequence.index(index)
+        if position == 0:  # nothing before it has run: the first `prefetch_distance` layers may gather now
+            for ahead in sequence[: self.prefetch_distance]:
+                self._gather(ahead)
+        self._wait_gathered(index)
+        self.weights[index].use_full_weight()
+
+    def _after_forward(self, index: int, _module, _inputs, output) -> None:
+        weight = self.weights[index]
+        weight.use_shard()
+        if self.record_events:
+            self.events.append(("forward_done", index))
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(_hook(weakref.ref(self), "_before_backward", index))
+        weight.free()
+        sequence = self._sequence()
+        position = sequence.index(index)
+        if position + self.prefetch_distance < len(sequence):
+            self._gather(sequence[position + self.prefetch_distance])
+        if not self.order and len(self._seen) == len(self.weights):
+            self.order = list(self._seen)
+
+    # ----------------------------------------------------------------------------------------------- backward
+
+    def _before_backward(self, index: int, _grad) -> None:
+        self._wait_gathered(index)
+        sequence = self._sequence()
+        position = sequence.index(index)
+        if position > 0:  # the layer whose backward runs next
+            self._gather(sequence[position - 1])
+
+    def _gradient_ready(self, index: int, full: torch.Tensor) -> None:
+        weight = self.weights[index]
+        grad = torch.zeros(weight.buffer.numel(), dtype=torch.float32, device=full.device)
+        grad[: weight.numel] = full.grad.reshape(-1)
+        full.grad = None
+        weight.free()
+        out = torch.empty(weight.shard_numel, dtype=torch.float32, device=full.device)
+        work = _reduce_scatter(out, grad, op=dist.ReduceOp.SUM, async_op=True)
+        self._bytes["bytes_reduce_scattered"] += (self.world - 1) * weight.shard_numel * 4
+        self._reductions.append((work, out, weight.shard))
+
+    def _replicated_gradient_ready(self, param: nn.Parameter) -> None:
+        work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, async_op=True)
+        self._bytes["bytes_all_reduced"] += 2 * (self.world - 1) / self.world * param.grad.nbytes
+        self._reductions.append((work, param.grad, param))
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for the gradients' reductions; then every shard and replicated parameter holds the average over
+        ranks of its gradient (float32 for the shards)."""
+        start = time.perf_counter()
+        for work, reduced, param in self._reductions:
+            work.wait()
+            reduced.div_(self.world)
+            if reduced is param.grad:
+                continue
+            param.grad = reduced if param.grad is None else param.grad + reduced
+        self._reductions.clear()
+        if self.measure_communication:
+            device = self.weights[0].full.device if self.weights else torch.device("cpu")
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.last_step_stats = {"gather_wait_s": self._stopwatch.seconds(),
+                                    "sync_wait_s": time.perf_counter() - start, **self._bytes}
+        else:
+            self.last_step_stats = dict(self._bytes)
+        self._bytes = dict.fromkeys(self._bytes, 0.0)
+
+    # --------------------------------------------------------------------------------------------- full state
+
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the wrapped module, full (the shards all-gathered in float32), keyed by its name
+        in `module.named_parameters()`. A collective: every rank must call it."""
+        full = {name: p.detach().clone() for name, p in self.module.named_parameters()}
+        for weight in self.weights:
+            gathered = torch.empty(weight.shard_numel * self.world, dtype=torch.float32, device=weight.shard.device)
+            _all_gather(gathered, weight.shard.detach())
+            full[weight.name] = gathered[: weight.numel].view(weight.shape).clone()
+        return full
+
+
+def _hook(wrapper: weakref.ref, method: str, *bound) -> Callable:
+    """A hook calling `method` of the wrapper while it lives (hooks hold no reference to it)."""
+
+    def call(*args):
+        live = wrapper()
+        if live is not None:
+            return getattr(live, method)(*bound, *args)
+        return None
+
+    return call
+
+
+FSDP = FullyShardedDataParallel

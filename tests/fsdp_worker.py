@@ -1,0 +1,266 @@
+"""Run under torchrun (gloo, CPU) by tests/test_fsdp.py: our FSDP against single-process training, on every rank.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/fsdp_worker.py CASE
+
+As the assignment's own FSDP tests do: deterministic algorithms, every warning an error, a toy model whose Linear
+and Embedding are not torch.nn classes (weight (d_out, d_in) used as x @ W.T, and (vocab, d) indexed by ids).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cs336_systems import adapters
+from cs336_systems.distributed import distributed
+from cs336_systems.fsdp import FullyShardedDataParallel
+
+VOCAB, D, HIDDEN, SEQ = 37, 13, 19, 6  # none divisible by 2, 3 or 4: every shard is padded somewhere
+
+
+class Linear(nn.Module):  # another package's Linear: not an nn.Linear
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("...i,oi->...o", x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, d))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight).to(x.dtype)
+
+
+class ToyLM(nn.Module):
+    """The spec's toy model: Embedding -> RMSNorm -> Linear -> ReLU -> RMSNorm -> Linear -> Linear (head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = Embedding(VOCAB, D)
+        self.norm1 = RMSNorm(D)
+        self.up = Linear(D, HIDDEN)
+        self.norm2 = RMSNorm(HIDDEN)
+        self.down = Linear(HIDDEN, D)
+        self.head = Linear(D, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.up(self.norm1(self.embed(ids)))
+        return self.head(self.down(self.norm2(torch.relu(x))))
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def batches(steps: int, world: int):
+    """The same reshuffled global batches on every rank, and this rank's slice of each."""
+    rank, n = dist.get_rank(), 20 if 20 % world == 0 else 21
+    g = torch.Generator().manual_seed(1234)
+    for _ in range(steps):
+        ids, targets = torch.randint(VOCAB, (n, SEQ), generator=g), torch.randint(VOCAB, (n, SEQ), generator=g)
+        mine = slice(rank * n // world, (rank + 1) * n // world)
+        yield (ids, targets), (ids[mine], targets[mine])
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+}
+
+
+def assert_fp32_equal(actual: torch.Tensor, expected: torch.Tensor, label: str) -> None:
+    """Equal up to the order of float32 additions: a gradient summed over the whole batch in one process and
+    the same sum split across ranks (each rank's part, then the all-reduce) round differently, by an ulp or so
+    of the largest value (measured: at most 1.3e-7 relative over 3 steps, world 2-4). The bound is 8 ulps; a
+    real error (a gradient not averaged, a shard misplaced) is orders of magnitude larger."""
+    scale = expected.abs().max().item()
+    error = (actual - expected).abs().max().item()
+    assert error <= 8 * torch.finfo(torch.float32).eps * scale, f"{label} differs by {error:.3g} (max |x| {scale:.3g})"
+
+
+def check_gradients(fsdp: FullyShardedDataParallel, label: str) -> None:
+    """Every trainable parameter of the wrapped module has a gradient shaped like its data, in float32, and the
+    replicated ones are the same on every rank."""
+    for name, p in fsdp.module.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.shape == p.data.shape and p.grad.dtype == torch.float32, (
+                f"{label}: {name} grad {None if p.grad is None else (tuple(p.grad.shape), p.grad.dtype)}")
+    for p in fsdp.replicated:
+        everyone = [torch.empty_like(p.grad) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, p.grad)
+        assert all(torch.equal(g, p.grad) for g in everyone), f"{label}: replicated gradients differ across ranks"
+
+
+def train_against_reference(optimizer_name: str, freeze: str | None = None, steps: int = 3) -> None:
+    torch.manual_seed(0)
+    model = ToyLM()
+    if freeze:
+        model.get_submodule(freeze).weight.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    frozen_before = model.get_submodule(freeze).weight.detach().clone() if freeze else None
+    fsdp = adapters.get_fsdp(model)
+    optimizer = OPTIMIZERS[optimizer_name](fsdp.parameters())
+    reference_optimizer = OPTIMIZERS[optimizer_name]([p for p in reference.parameters() if p.requires_grad])
+    for step, ((ids, targets), (my_ids, my_targets)) in enumerate(batches(steps, dist.get_world_size())):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(fsdp(my_ids), my_targets).backward()
+        adapters.fsdp_on_after_backward(fsdp, optimizer)
+        check_gradients(fsdp, f"{optimizer_name} step {step}")
+        optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=True)
+        loss_fn(reference(ids), targets).backward()
+        reference_optimizer.step()
+        full = adapters.fsdp_gather_full_params(fsdp)
+        expected = dict(reference.named_parameters())
+        assert full.keys() == expected.keys(), (full.keys(), expected.keys())
+        for name, tensor in full.items():
+            assert tensor.shape == expected[name].shape, name
+            assert_fp32_equal(tensor, expected[name].detach(), f"{optimizer_name} step {step}: {name}")
+    if freeze:
+        assert torch.equal(full[f"{freeze}.weight"], frozen_before), "the frozen weight changed"
+
+
+def cast_reference_step(master: nn.Module, optimizer, ids, targets, dtype: torch.dtype) -> None:
+    """One step of a single process whose Linear/Embedding weights are cast to `dtype` for forward and backward,
+    with float32 master weights and gradients."""
+    working = copy.deepcopy(master)
+    for module in working.modules():
+        if isinstance(module, (Linear, Embedding)):
+            module.weight = nn.Parameter(module.weight.detach().to(dtype))
+    loss_fn(working(ids), targets).backward()
+    optimizer.zero_grad(set_to_none=True)
+    for (_, p), (_, w) in zip(master.named_parameters(), working.named_parameters(), strict=True):
+        p.grad = w.grad.float()
+    optimizer.step()
+
+
+def compute_dtype(dtype: torch.dtype, tolerance: float) -> None:
+    torch.manual_seed(0)
+    model = ToyLM()
+    master = copy.deepcopy(model)
+    fsdp = adapters.get_fsdp(model, compute_dtype=dtype)
+    # SGD, as the assignment's test: AdamW turns a rounding-sized gradient near zero into a full step of lr
+    optimizer = OPTIMIZERS["sgd"](fsdp.parameters())
+    reference_optimizer = OPTIMIZERS["sgd"](master.parameters())
+    for step, ((ids, targets), (my_ids, my_targets)) in enumerate(batches(3, dist.get_world_size())):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(fsdp(my_ids), my_targets).backward()
+        adapters.fsdp_on_after_backward(fsdp, optimizer)
+        check_gradients(fsdp, f"{dtype} step {step}")
+        optimizer.step()
+        cast_reference_step(master, reference_optimizer, ids, targets, dtype)
+        full = adapters.fsdp_gather_full_params(fsdp)
+        for name, p in master.named_parameters():
+            assert full[name].dtype == torch.float32, f"{name}: master weights must stay float32"
+            assert torch.allclose(full[name], p.detach(), atol=tolerance, rtol=tolerance), (
+                f"{dtype} step {step}: {name} differs by {(full[name] - p).abs().max().item():.3g}")
+
+
+def prefetch_rule() -> None:
+    """A layer's all-gather starts only after the layer two before it finished its forward, and every gathered
+    weight is freed after the forward and after the backward."""
+    torch.manual_seed(0)
+    fsdp = FullyShardedDataParallel(ToyLM())
+    fsdp.record_events = True
+    (ids, targets), (my_ids, my_targets) = next(batches(1, dist.get_world_size()))
+    for _ in range(2):  # the second step prefetches by the order the first one recorded
+        fsdp.events.clear()
+        logits = fsdp(my_ids)
+        assert not any(w.gathered for w in fsdp.weights), "a gathered weight outlived the forward"
+        forward = list(fsdp.events)
+        loss_fn(logits, my_targets).backward()
+        fsdp.finish_gradient_synchronization()
+        assert not any(w.gathered for w in fsdp.weights), "a gathered weight outlived the backward"
+    order = fsdp.order
+    assert [fsdp.weights[i].name for i in order] == ["embed.weight", "up.weight", "down.weight", "head.weight"]
+    gathers = [i for kind, i in forward if kind == "gather"]
+    assert sorted(gathers) == sorted(order), f"each layer gathered once in the forward: {forward}"
+    for kind, index in forward:
+        position = order.index(index)
+        if kind == "gather" and position >= 2:
+            done = forward.index(("forward_done", order[position - 2]))
+            assert done < forward.index((kind, index)), f"layer {index} gathered too early: {forward}"
+
+
+def our_transformer() -> None:
+    from cs336_systems.model import ModelConfig, TransformerLM
+
+    cfg = ModelConfig.from_name("tiny", vocab_size=61, context_length=8)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    reference = copy.deepcopy(model)
+    fsdp = FullyShardedDataParallel(model)
+    sharded = {w.name for w in fsdp.weights}
+    assert "embedding.weight" in sharded and "lm_head.weight" in sharded and "blocks.0.ffn.w1.weight" in sharded, sharded
+    optimizer = OPTIMIZERS["sgd"](fsdp.parameters())
+    reference_optimizer = OPTIMIZERS["sgd"](reference.parameters())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(7)
+    for step in range(2):
+        ids = torch.randint(61, (4 * world, 8), generator=g)
+        mine = ids[rank * 4 : (rank + 1) * 4]
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(fsdp(mine[:, :-1]), mine[:, 1:]).backward()
+        fsdp.finish_gradient_synchronization()
+        optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=True)
+        loss_fn(reference(ids[:, :-1]), ids[:, 1:]).backward()
+        reference_optimizer.step()
+        full = fsdp.gather_full_params()
+        for name, p in reference.named_parameters():
+            assert_fp32_equal(full[name], p.detach(), f"TransformerLM step {step}: {name}")
+
+
+def tied() -> None:
+    model = ToyLM()
+    model.head.weight = model.embed.weight
+    try:
+        FullyShardedDataParallel(model)
+    except ValueError as error:
+        assert "head.weight and embed.weight" in str(error) or "embed.weight" in str(error), error
+    else:
+        raise AssertionError("a tied weight was sharded")
+
+
+CASES = {
+    "equality": lambda: [train_against_reference(name) for name in OPTIMIZERS],
+    "frozen": lambda: train_against_reference("adamw", freeze="down"),
+    "compute_dtype": lambda: (compute_dtype(torch.float16, 1e-4), compute_dtype(torch.bfloat16, 1e-3)),
+    "prefetch": prefetch_rule,
+    "transformer": our_transformer,
+    "tied": tied,
+}
+
+
+def main() -> None:
+    warnings.simplefilter("error")
+    torch.use_deterministic_algorithms(True)
+    with distributed(backend="gloo", timeout_s=600):
+        for case in sys.argv[1:]:
+            CASES[case]()
+        if dist.get_rank() == 0:
+            print(f"FSDP {' '.join(sys.argv[1:])} OK on {dist.get_world_size()} ranks", flush=True)
+
+
+if __name__ == "__main__":
+    main()
