@@ -26,7 +26,7 @@ def _validate_config():
         used = [(f"runs.{run_name}.{d}.sizes", s) for d in ("e2e", "mixed_precision", "compile", "profile")
                 for s in run[d]["sizes"]]
         used += [(f"runs.{run_name}.e2e.warmup_study.sizes", s) for s in run["e2e"]["warmup_study"]["sizes"]]
-        used += [(f"runs.{run_name}.{d}.size", run[d]["size"]) for d in ("memory", "ddp", "sharding")]
+        used += [(f"runs.{run_name}.{d}.size", run[d]["size"]) for d in ("memory", "ddp", "sharding", "fsdp")]
         for key, size in used:
             if size not in MODEL_SIZES:
                 raise WorkflowError(f"config.yaml: {key}: unknown model size {size!r}; known: {list(MODEL_SIZES)}")

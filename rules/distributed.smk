@@ -26,14 +26,15 @@ def launched(nproc, backend, csv, also=None):
     """The params of a job of `nproc` processes on `backend` (values, or functions of the wildcards) whose table is
     `csv`: its `gpus` are what pin_gpus must hold (the `gpu` resource says the same, but Snakemake lowers it to the
     profile's limit, `--resources gpu=1`, and an NCCL job alone on a 2-GPU box should still get both); `gpus_ok`
-    reruns a result skipped for lack of them; `also` is another output that gets the launcher's skipped row."""
+    reruns a result skipped for lack of them; `also` is another output that gets the launcher's skipped row (a
+    pattern of the same wildcards as `csv`)."""
     gpus = lambda w: gpus_needed(setting_of(backend, w), int(setting_of(nproc, w)))
     return dict(
         nproc=lambda w: int(setting_of(nproc, w)),
         backend=lambda w: setting_of(backend, w),
         gpus=gpus,
         gpus_ok=lambda w: gpus_ok(gpus(w), csv.format(**w)),
-        also=f"--also {also}" if also else "",
+        also=(lambda w: f"--also {also.format(**w)}") if also else "",
     )
 
 

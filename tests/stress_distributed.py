@@ -30,6 +30,7 @@ CLIS = {
         *"--batch-size 1 --context-length 8 --bucket-sizes-mb 0.001 --warmup 1 --steps 2".split(),
     ],
     "sharding_benchmark": [*TOY_MODEL, *"--batch-size 1 --context-length 8 --warmup 1 --steps 2".split()],
+    "fsdp_benchmark": [*TOY_MODEL, *"--batch-size 1 --context-length 8 --warmup 1 --steps 2".split()],
 }
 
 

@@ -8,8 +8,10 @@ import pytest
 
 from cs336_systems.accounting import (
     FFNStack,
+    collective_bytes,
     data_parallel_communication,
     dtype_bytes,
+    fsdp_memory,
     fsdp_tp_compute_bound_batch,
     sharding_prediction,
     training_state_memory,
@@ -115,6 +117,33 @@ def test_sharding_prediction_per_variant_and_rank() -> None:
     }  # fmt: skip
     assert sharding_prediction("zero", numels, rank=1, world_size=2)["optimizer_state"] == 104  # the ideal half
     assert sharding_prediction("sharded", numels, rank=0, world_size=1)["communication"] == 0  # nothing to send
+
+
+def test_fsdp_memory_per_rank_and_the_expected_saving() -> None:
+    # Units of 10, 30, 20 parameters (Psi_s = 60, largest 30) and 4 replicated: Psi = 64.
+    got = values(fsdp_memory([10, 30, 20], 4, world_size=2, compute_dtype="bf16", prefetch_distance=2))
+    assert (got["sharded_params"], got["replicated_params"], got["largest_unit_params"]) == (60, 4, 30)
+    assert got["ddp_state_bytes"] == 16 * 64 == 1024
+    assert got["ddp_bucket_bytes"] == 4 * 64 == 256
+    assert got["fsdp_state_bytes"] == 16 * (60 / 2 + 4) == 544
+    # two units' bf16 weights (2 x 30 x 2) and one unit's fp32 gradient (30 x 4)
+    assert got["fsdp_gathered_bytes"] == 120 + 120
+    assert got["saving_handout_bytes"] == 1024 - 544 == 480
+    assert got["saving_vs_our_ddp_bytes"] == 1024 + 256 - 544 - 240 == 496
+    # One rank shards nothing: FSDP keeps the whole state and only adds its buffers.
+    alone = values(fsdp_memory([10, 30, 20], 4, world_size=1, prefetch_distance=3))
+    assert alone["saving_handout_bytes"] == 0 and alone["fsdp_gathered_bytes"] == 3 * 30 * 4 + 30 * 4
+    with pytest.raises(ValueError, match="unit_numels"):
+        fsdp_memory([], 4, world_size=2)
+
+
+def test_collective_bytes_of_a_ring() -> None:
+    assert collective_bytes("all_gather", 100, world_size=4) == 75  # (n-1)/n of the full tensor
+    assert collective_bytes("reduce_scatter", 100, world_size=4) == 75
+    assert collective_bytes("all_reduce", 100, world_size=4) == 150  # a reduce-scatter, then an all-gather
+    assert collective_bytes("all_gather", 100, world_size=1) == 0
+    with pytest.raises(ValueError, match="broadcast"):
+        collective_bytes("broadcast", 100, world_size=2)
 
 
 def test_bad_input_is_named() -> None:

@@ -138,7 +138,8 @@ def test_bad_flags_fail_before_any_work(tmp_path, capsys, flags, message):
 
 
 @pytest.mark.parametrize(
-    "cli", ["e2e_benchmark", "memory_profile", "profile_model", "ddp_benchmark", "sharding_benchmark"]
+    "cli",
+    ["e2e_benchmark", "memory_profile", "profile_model", "ddp_benchmark", "sharding_benchmark", "fsdp_benchmark"],
 )
 def test_every_model_cli_takes_a_size_by_name(cli, tmp_path, capsys):
     """Every CLI that builds the Transformer names its model by size (one table: cs336_systems.sizes)."""

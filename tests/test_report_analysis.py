@@ -242,3 +242,61 @@ def test_fusion_changes_pair_eager_and_compiled_by_size():
     assert changes.loc["B·T·d", ["eager_tensors", "compiled_tensors"]].tolist() == [2, 1]
     assert changes.loc["B·T·d", "change_mib"] * 2**20 == -btd
     assert changes.loc["B·T·d_ff", "change_mib"] == 0
+
+
+def test_difference_keeps_the_time_of_a_outside_b():
+    assert analysis.difference([(0, 10)], [(2, 3), (5, 6)]) == [(0, 2), (3, 5), (6, 10)]
+    assert analysis.difference([(0, 2), (1, 4)], [(3, 8), (-1, 0.5)]) == [(0.5, 3)]  # a's union, b unsorted
+    assert analysis.difference([(0, 1)], [(0, 1)]) == [] and analysis.difference([(0, 1)], []) == [(0, 1)]
+
+
+def test_gather_exposure_per_forward_layer_and_over_the_step():
+    kernels = pd.DataFrame(
+        [
+            ("compute", 0.1, 1.0, 0), ("compute", 1.0, 2.0, 0),
+            ("all_gather", 0.0, 0.3, None),  # 0.0-0.1 before the first compute kernel: layer 0's window
+            ("all_gather", 1.8, 2.6, 0),  # 2.0-2.5 while layer 1 waits
+            ("compute", 2.5, 4.0, 1),
+            ("all_gather", 3.0, 3.9, 1),  # hidden behind layer 1
+            ("compute", 4.0, 5.0, 2),
+            ("memcpy", 5.0, 5.1, None), ("reduce_scatter", 5.5, 7.0, None),
+            ("all_gather", 6.0, 6.5, None),  # backward: exposed, outside the forward's layers
+        ],
+        columns=["kind", "start_ms", "end_ms", "layer"],
+    )  # fmt: skip
+    kernels["stream"] = [7 if kind in ("compute", "memcpy") else 20 for kind in kernels["kind"]]
+    # a copy on the communication stream (FSDP2's copy-in) hides nothing
+    kernels.loc[len(kernels)] = ("memcpy", 6.0, 6.5, None, 20)
+    layers, summary = analysis.gather_exposure(kernels)
+    assert list(layers["layer"]) == [0, 1, 2]
+    assert list(zip(layers["window_start_ms"], layers["window_end_ms"], strict=True)) == [(0, 2), (2, 4), (4, 5)]
+    assert list(layers["exposed_ms"]) == pytest.approx([0.1, 0.5, 0.0])
+    assert list(layers["in_time"]) == [False, False, True]
+    assert (summary["layers"], summary["layers_in_time"], summary["worst_layer"]) == (3, 1, 1)
+    assert summary["worst_exposed_ms"] == pytest.approx(0.5)
+    assert summary["forward_exposed_ms"] == pytest.approx(0.6)
+    assert summary["step_exposed_ms"] == pytest.approx(1.1) and summary["step_ms"] == 7.0
+    _, none = analysis.gather_exposure(kernels.assign(layer=None))  # no layer annotations: the step only
+    assert none["layers"] == 0 and none["worst_layer"] is None and none["step_exposed_ms"] == pytest.approx(1.1)
+
+
+def test_fsdp_goals_pass_fail_and_not_measured():
+    cells = pd.DataFrame(
+        {
+            "variant": ["ours", "fsdp2", "single"],
+            "world_size": [2, 2, 2],
+            "step_ms": [100.0, 110.0, 90.0],
+            "peak_mib": [1000.0, 960.0, 2000.0],
+            "gather_wait_ms": [4.0, math.nan, 0.0],
+        }
+    )
+    goals = analysis.fsdp_goals(cells).set_index("goal")
+    assert list(goals["passed"]) == [True, True, True]  # 100 <= 110; 1000 <= 1008; 4 < 5
+    assert goals.loc["peak memory ≤ FSDP2's + 5 %", "bound"] == pytest.approx(1008)
+    one = analysis.fsdp_goals(cells.assign(world_size=1, peak_mib=math.nan, gather_wait_ms=5.0)).set_index("goal")
+    # on one rank also the overhead over the floor: 100 >= 1.05 * 90; no peaks (CPU): not measured
+    assert one.loc["overhead over the unwrapped model < 5 %", "passed"] is False
+    assert one.loc["peak memory ≤ FSDP2's + 5 %", "passed"] is None
+    assert one.loc["exposed all-gather < 5 % of the step", "passed"] is False  # 5 is not < 5
+    alone = analysis.fsdp_goals(cells[cells["variant"] == "ours"])  # no FSDP2 in the run
+    assert list(alone["passed"]) == [None, None, True]

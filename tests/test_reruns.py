@@ -44,6 +44,7 @@ CONFIG_CHANGES = [
     (["runs", "cpu", "ddp", "bucket_sizes_mb"], lambda v: v + [10], {"ddp_benchmark": 1}),
     (["runs", "cpu", "ddp", "steps"], lambda v: v + 1, {"ddp_benchmark": 1}),
     (["runs", "cpu", "sharding", "steps"], lambda v: v + 1, {"sharding_benchmark": 1}),
+    (["runs", "cpu", "fsdp", "steps"], lambda v: v + 1, {"fsdp_benchmark": 2}),  # one job per world size
     (["communication_accounting", "batch_size"], lambda v: v + 1, {"communication_accounting": 1}),
 ]
 

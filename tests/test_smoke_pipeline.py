@@ -61,6 +61,7 @@ def test_writeup_has_every_section_and_its_figures(smoke):
         "1.3.2–1.3.4 FlashAttention-2",
         "2.1.3 All-reduce",
         "3 Optimizer state sharding",
+        "7 Fully-sharded data parallel",
     ):
         assert f"## {heading}" in writeup
     figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", writeup)
@@ -95,6 +96,7 @@ def test_changing_one_size_reruns_only_its_jobs(smoke):
         "compile_e2e",
         "ddp_benchmark",
         "sharding_benchmark",
+        "fsdp_benchmark",
         "residuals",
         "checkpointing_policies",
         "checkpointing_depths",

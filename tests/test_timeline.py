@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from cs336_systems.timeline import outermost, record_timeline, short_name, timeline
+from cs336_systems.timeline import (
+    kernel_kind,
+    outermost,
+    record_timeline,
+    short_name,
+    stream_timeline,
+    timeline,
+)
 
 
 def event(cat: str, name: str, ts: float, dur: float, tid: int | str = 1, **args) -> dict:
@@ -74,6 +81,55 @@ def test_a_cpu_trace_gives_outermost_operators_and_gloos_collectives_on_worker_t
         ("main thread", "aten::add_", False),
     ]
     assert rows[0]["start_ms"] == 0.01 and rows[0]["end_ms"] == 0.06
+
+
+def test_a_cuda_step_gives_kernels_by_kind_and_the_layer_whose_forward_launched_them():
+    main = 100
+    trace = {
+        "traceEvents": [
+            event("user_annotation", "traced_step_0", 1000, 1000, tid=main),
+            event("user_annotation", "fsdp_layer_0", 1010, 90, tid=main),
+            event("user_annotation", "fsdp_layer_1", 1100, 100, tid=main),
+            event("user_annotation", "fsdp_layer_x", 1100, 100, tid=main),  # not a layer number: ignored
+            event("gpu_user_annotation", "fsdp_layer_0", 1050, 30, tid=7),  # the GPU copy: not a CPU range
+            event("cuda_runtime", "cudaMemcpyAsync", 1005, 2, tid=main, correlation=3),  # before any layer
+            event("cuda_runtime", "cudaLaunchKernel", 1020, 2, tid=main, correlation=1),
+            event("cuda_driver", "cuLaunchKernelEx", 1030, 2, tid=main, correlation=4),
+            event("cuda_runtime", "cudaLaunchKernel", 1110, 2, tid=main, correlation=2),
+            event("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 1010, 5, tid=7, stream=7, correlation=3),
+            event("kernel", "ampere_bf16_s16816gemm_bf16_128x64_tn", 1050, 30, tid=7, stream=7, correlation=1),
+            event("kernel", "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 1040, 100,
+                  tid=20, stream=20, correlation=4),
+            event("kernel", "void at::native::vectorized<4>(int, float*)", 1150, 20, tid=7, stream=7, correlation=2),
+            event("kernel", "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 1300, 50, tid=20, stream=20,
+                  correlation=99),  # its launch is not in the trace
+        ]
+    }
+    rows = stream_timeline(trace, "traced_step_0", layer_prefix="fsdp_layer_")
+    assert [(r["stream"], r["kind"], r["name"], r["layer"]) for r in rows] == [
+        (7, "memcpy", "Memcpy HtoD", None),
+        (20, "all_gather", "ncclDevKernel_AllGather_RING_LL", 0),
+        (7, "compute", "ampere_bf16_s16816gemm_bf16_128x64_tn", 0),
+        (7, "compute", "at::native::vectorized", 1),
+        (20, "reduce_scatter", "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", None),
+    ]
+    assert [(r["start_ms"], r["end_ms"]) for r in rows][1] == (0.04, 0.14)
+    assert [r["layer"] for r in stream_timeline(trace, "traced_step_0")] == [None] * 5  # no prefix: no layers
+    assert stream_timeline({"traceEvents": trace["traceEvents"][:2]}, "traced_step_0") == []  # no kernels (CPU)
+
+
+@pytest.mark.parametrize(
+    ("name", "category", "kind"),
+    [
+        ("ncclKernel_AllReduce_RING_LL_Sum_float", "kernel", "all_reduce"),
+        ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL", "kernel", "reduce_scatter"),
+        ("ncclDevKernel_SendRecv", "kernel", "communication"),
+        ("Memset (Device)", "gpu_memset", "memcpy"),
+        ("elementwise_kernel", "kernel", "compute"),
+    ],
+)
+def test_kernel_kind(name: str, category: str, kind: str):
+    assert kernel_kind(name, category) == kind
 
 
 def test_outermost_keeps_what_no_event_of_the_same_thread_contains():

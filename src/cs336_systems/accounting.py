@@ -8,6 +8,9 @@
 - `data_parallel_communication`: bytes each rank sends per step for DDP, ZeRO stage 1 and our sharded
   optimizer.
 - `sharding_prediction`: both of the above for one rank of the sharding benchmark, as a dict.
+- `fsdp_memory`: the training state per rank under DDP and FSDP and the peak saving expected from FSDP
+  (2026 §7 fsdp_accounting a).
+- `collective_bytes`: bytes one rank sends in a ring all-gather, reduce-scatter or all-reduce.
 
 The others return a list of `Quantity` (name, value, unit, formula); `values(quantities)` gives a
 name -> value dict. Sizes are in bytes; "GB" means 10^9 bytes, as in accelerators' sizes (80 GB H100).
@@ -365,3 +368,72 @@ def sharding_prediction(variant: str, param_numels: list[int], rank: int, world_
         "optimizer_state": state,
         "communication": comm.get(comm_key, 0.0),
     }
+
+
+# ----------------------------------------------------------------------------------------------------
+# fsdp_accounting (2026 §7 a)
+
+
+def collective_bytes(collective: str, full_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends in a ring collective over a tensor of `full_bytes` (its full, unsharded size):
+    all-gather and reduce-scatter (n-1)/n of it, all-reduce twice that (a reduce-scatter, then an all-gather)."""
+    _positive(world_size=world_size)
+    phases = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+    if collective not in phases:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {list(phases)}")
+    return phases[collective] * (world_size - 1) / world_size * full_bytes
+
+
+def fsdp_memory(
+    unit_numels: list[int],
+    replicated_numel: int,
+    world_size: int,
+    compute_dtype: str = "fp32",
+    prefetch_distance: int = 2,
+) -> list[Quantity]:
+    """Training state per rank under DDP and FSDP, and the peak saving FSDP should bring (2026 §7 a).
+
+    `unit_numels`: the sizes of the sharded units (every Linear and Embedding weight); `replicated_numel`: the
+    parameters every rank keeps whole (the norms). fp32 master weights and gradients and AdamW's two fp32
+    moments are 16 bytes per parameter: DDP holds 16 Psi on every rank, FSDP 16 Psi_s / n of the sharded
+    parameters and 16 Psi_r of the replicated ones. Activations are ignored: both run the same batch per rank,
+    so they cancel in the difference.
+
+    Two expectations. The handout's, which ignores FSDP's gathered buffers: 16 Psi - FSDP state. And the one the
+    benchmark measures against our bucketed DDP at the end of backward, when every gradient exists: that DDP
+    also keeps its flat gradient buckets (4 Psi) beside autograd's gradients, and FSDP holds gathered units, at
+    most `prefetch_distance` units' full weights in the compute dtype at once plus, in backward, one unit's full
+    fp32 gradient before its reduce-scatter (bounded with the largest unit).
+    """
+    _positive(world_size=world_size, prefetch_distance=prefetch_distance)
+    if not unit_numels:
+        raise ValueError("unit_numels is empty: FSDP needs at least one sharded unit")
+    n, c = world_size, dtype_bytes(compute_dtype)
+    sharded, largest = sum(unit_numels), max(unit_numels)
+    psi = sharded + replicated_numel
+    ddp_state = 16 * psi
+    buckets = 4 * psi
+    fsdp_state = 16 * (sharded / n + replicated_numel)
+    buffers = prefetch_distance * largest * c + largest * 4
+    return [
+        Quantity("sharded_params", sharded, "parameters", "Psi_s = sum of Linear and Embedding weights"),
+        Quantity("replicated_params", replicated_numel, "parameters", "Psi_r = the norms' weights"),
+        Quantity("largest_unit_params", largest, "parameters", "the largest sharded weight"),
+        Quantity("ddp_state_bytes", ddp_state, "bytes", "16 (Psi_s + Psi_r): fp32 weights, gradients, 2 moments"),
+        Quantity("ddp_bucket_bytes", buckets, "bytes", "4 Psi: our bucketed DDP's flat fp32 gradient buckets"),
+        Quantity("fsdp_state_bytes", fsdp_state, "bytes", f"16 (Psi_s / {n} + Psi_r)"),
+        Quantity(
+            "fsdp_gathered_bytes",
+            buffers,
+            "bytes",
+            f"{prefetch_distance} units' weights x {c} bytes ({compute_dtype}) + one unit's fp32 gradient, "
+            "largest unit",
+        ),
+        Quantity("saving_handout_bytes", ddp_state - fsdp_state, "bytes", "DDP state - FSDP state"),
+        Quantity(
+            "saving_vs_our_ddp_bytes",
+            ddp_state + buckets - fsdp_state - buffers,
+            "bytes",
+            "DDP state + buckets - FSDP state - gathered units",
+        ),
+    ]

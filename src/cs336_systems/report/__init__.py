@@ -24,6 +24,7 @@ SECTIONS = [
     ("2.2–2.3 Distributed data parallel training", "ddp"),
     ("2.4 Communication accounting", "communication_accounting"),
     ("3 Optimizer state sharding", "sharding"),
+    ("7 Fully-sharded data parallel (2026 §7)", "fsdp"),
     ("8 Parallelism analysis (2026 §8)", "parallelism"),
 ]
 

@@ -360,3 +360,93 @@ def fusion_changes(by_size: pd.DataFrame) -> pd.DataFrame:
     columns = ["module", "attention", "heads", "size_class", "eager_tensors", "compiled_tensors", "eager_mib",
                "compiled_mib", "change_mib"]
     return out[columns].astype({"eager_tensors": int, "compiled_tensors": int}).reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FSDP (2026 §7): the goals of the benchmark and the exposed all-gathers of a traced step
+
+# An all-gather counts as exposed where it runs while no compute kernel does; a layer had its weights in time when
+# less than this was exposed in its window: well above the few µs between back-to-back kernels, well below a layer.
+IN_TIME_MS = 0.02
+COMPUTE_KINDS = ("compute", "memcpy")
+
+
+def difference(a: Intervals, b: Intervals) -> Intervals:
+    """The time of `a` not covered by `b` (both any intervals), as sorted disjoint intervals."""
+    out, cover = [], union(b)
+    for start, end in union(a):
+        for c_start, c_end in cover:
+            if c_end <= start or c_start >= end:
+                continue
+            if c_start > start:
+                out.append((start, c_start))
+            start = max(start, c_end)
+        if start < end:
+            out.append((start, end))
+    return out
+
+
+def gather_exposure(kernels: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Where a traced step's all-gathers were exposed (ran while no compute kernel ran), from its kernels
+    (columns stream, kind, start_ms, end_ms, layer: fsdp_benchmarking's timeline rows of one variant). Compute
+    kernels are those on the streams without NCCL kernels: a copy on a communication stream (FSDP2's copy-in
+    before its all-gather) is part of the communication, not computation it could hide behind.
+
+    Per Transformer layer of the forward (the compute kernels its forward launched): its window, from the end of
+    the previous layer's last kernel (the step's start for the first) to the end of its own, the exposed
+    all-gather time in it, and `in_time` (less than IN_TIME_MS exposed). The summary: the exposed time in the
+    forward layers and in the whole step, the step's span, the worst layer and the exposed intervals."""
+    spans = lambda rows: list(zip(rows["start_ms"], rows["end_ms"], strict=True))
+    communication_streams = set(kernels.loc[~kernels["kind"].isin(COMPUTE_KINDS), "stream"])
+    compute = kernels[kernels["kind"].isin(COMPUTE_KINDS) & ~kernels["stream"].isin(communication_streams)]
+    exposed = difference(spans(kernels[kernels["kind"] == "all_gather"]), spans(compute))
+    layered = compute.dropna(subset=["layer"])
+    ends = layered.groupby(layered["layer"].astype(int))["end_ms"].max().sort_index()
+    starts = [0.0, *ends.to_numpy()[:-1]][: len(ends)]
+    layers = pd.DataFrame(
+        {
+            "layer": ends.index,
+            "window_start_ms": starts,
+            "window_end_ms": ends.to_numpy(),
+            "exposed_ms": [
+                intersection_length(exposed, [(start, end)]) for start, end in zip(starts, ends, strict=True)
+            ],
+        }
+    )
+    layers["in_time"] = layers["exposed_ms"] < IN_TIME_MS
+    worst = layers.loc[layers["exposed_ms"].idxmax()] if len(layers) else None
+    summary = {
+        "layers": len(layers),
+        "layers_in_time": int(layers["in_time"].sum()),
+        "forward_exposed_ms": layers["exposed_ms"].sum(),
+        "step_exposed_ms": sum(end - start for start, end in exposed),
+        "step_ms": kernels["end_ms"].max() if len(kernels) else math.nan,
+        "worst_layer": int(worst["layer"]) if worst is not None else None,
+        "worst_exposed_ms": worst["exposed_ms"] if worst is not None else math.nan,
+        "exposed": exposed,
+    }
+    return layers, summary
+
+
+def fsdp_goals(cells: pd.DataFrame) -> pd.DataFrame:
+    """The FSDP benchmark's goals for one world size, from its cells (one row per variant: step_ms, peak_mib
+    (the largest rank's), gather_wait_ms): our step time at most FSDP2's, our peak at most FSDP2's + 5 %, our
+    exposed all-gather wait under 5 % of our step, and on one rank our overhead over the unwrapped model under
+    5 %. Per goal the measured value, the bound and `passed` (None where a value is missing)."""
+    by = cells.set_index("variant")
+    get = lambda variant, column: by[column].get(variant, math.nan) if column in by else math.nan
+    ours_step, ours_peak, wait = get("ours", "step_ms"), get("ours", "peak_mib"), get("ours", "gather_wait_ms")
+    goals = [  # (goal, measured, bound, unit, whether the bound itself fails)
+        ("step time ≤ FSDP2's", ours_step, get("fsdp2", "step_ms"), "ms", False),
+        ("peak memory ≤ FSDP2's + 5 %", ours_peak, 1.05 * get("fsdp2", "peak_mib"), "MiB", False),
+        ("exposed all-gather < 5 % of the step", wait, 0.05 * ours_step, "ms", True),
+    ]
+    if "single" in by.index and cells["world_size"].iloc[0] == 1:
+        single = 1.05 * get("single", "step_ms")
+        goals.append(("overhead over the unwrapped model < 5 %", ours_step, single, "ms", True))
+    rows = []
+    for goal, value, bound, unit, strict in goals:
+        known = not (pd.isna(value) or pd.isna(bound))
+        passed = bool(value < bound if strict else value <= bound) if known else None
+        rows.append({"goal": goal, "measured": value, "bound": bound, "unit": unit, "passed": passed})
+    return pd.DataFrame(rows)

@@ -84,3 +84,11 @@ def model_order(metas: list[dict[str, Any]]) -> list[str]:
     """Sizes from small to large by parameter count (file order is alphabetical)."""
     weights = {meta["params"]["size"]: num_parameters(meta["params"]) for meta in metas}
     return sorted(weights, key=weights.get)
+
+
+def fsdp_units(params: dict[str, Any]) -> tuple[list[int], int]:
+    """The sizes of the weights FSDP shards and the number of replicated parameters of the model an experiment's
+    parameters describe (cs336_systems.fsdp_benchmarking.sharded_units)."""
+    from cs336_systems.fsdp_benchmarking import model_units
+
+    return model_units(ModelConfig(**{name: params[name] for name in MODEL_FIELDS if name in params}))

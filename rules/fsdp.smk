@@ -1,0 +1,51 @@
+# 2026 §7: our FSDP beside PyTorch's FSDP2, our bucketed DDP and one rank alone (the floor), one job per world size
+# of the run's `fsdp.jobs` (every variant of a world size in one job, so that they share the machine and its
+# state). The GPU run: world 1 on one GPU (what our gather/free machinery costs over the unwrapped model) and
+# world 2 on two (the goals against FSDP2, the accounting and the all-gather timeline). On the launch pattern of
+# rules/distributed.smk: a machine with too few GPUs gets `skipped` rows in both tables.
+FSDP = R["fsdp"]
+FSDP_JOBS = {job["world_size"]: job for job in FSDP["jobs"]}
+if len(FSDP_JOBS) < len(FSDP["jobs"]):
+    raise WorkflowError(f"config.yaml: runs.{RUN}.fsdp.jobs: one job per world size")
+FSDP_CSV = f"{RESULTS}/fsdp/n{{world_size}}.csv"
+FSDP_TIMELINE_CSV = f"{RESULTS}/fsdp_timeline/n{{world_size}}.csv"
+FSDP_REPORT = dict(caption="report/fsdp.rst", category="Results", subcategory="7 Fully-sharded data parallel")
+
+
+def fsdp_cli(wildcards):
+    """The benchmark's module and flags for the job of one world size (its batch size, if it names one)."""
+    job = FSDP_JOBS[int(wildcards.world_size)]
+    return (
+        f"cs336_systems.experiments.fsdp_benchmark --size {FSDP['size']} "
+        f"--batch-size {job.get('batch_size', FSDP['batch_size'])} --context-length {FSDP['context_length']} "
+        f"--attention {FSDP['attention']} --variants {listed(job['variants'])} "
+        f"--compute-dtype {FSDP['compute_dtype']} --prefetch-distance {FSDP['prefetch_distance']} "
+        f"--bucket-size-mb {FSDP['bucket_size_mb']} --warmup {FSDP['warmup']} --steps {FSDP['steps']} "
+        f"--trace-steps {FSDP['trace_steps']} --trace-dir {RESULTS}/traces/fsdp/n{wildcards.world_size} "
+        f"--timeline-out {FSDP_TIMELINE_CSV.format(world_size=wildcards.world_size)}"
+    )
+
+
+use rule launch_ranks as fsdp_benchmark with:
+    input:
+        code("experiments/fsdp_benchmark.py", "fsdp_benchmarking.py", "timeline.py", "cuda_memory.py",
+             *BENCHMARK_CODE, *DIST_CODE),
+    output:
+        csv=report(FSDP_CSV, **FSDP_REPORT),
+        json=f"{RESULTS}/fsdp/n{{world_size}}.json",
+        timeline=report(FSDP_TIMELINE_CSV, **FSDP_REPORT),
+        timeline_json=f"{RESULTS}/fsdp_timeline/n{{world_size}}.json",
+    wildcard_constraints:
+        world_size="|".join(str(n) for n in FSDP_JOBS),
+    params:
+        model=model_dims(FSDP["size"]),
+        **launched(lambda w: w.world_size, DIST_BACKEND, FSDP_CSV, also=FSDP_TIMELINE_CSV),
+        cli=fsdp_cli,
+    threads: rank_threads(lambda w: w.world_size)
+    resources:
+        **ranks(lambda w: w.world_size, DIST_BACKEND),
+    log:
+        f"{RESULTS}/logs/fsdp/n{{world_size}}.log",
+
+
+WRITEUP_INPUTS += expand([FSDP_CSV, FSDP_TIMELINE_CSV], world_size=sorted(FSDP_JOBS))
