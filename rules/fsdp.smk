@@ -28,7 +28,7 @@ def fsdp_cli(wildcards):
 
 use rule launch_ranks as fsdp_benchmark with:
     input:
-        code("experiments/fsdp_benchmark.py", "fsdp_benchmarking.py", "timeline.py", "cuda_memory.py",
+        code("experiments/fsdp_benchmark.py", "fsdp_benchmarking.py", "fsdp.py", "timeline.py", "cuda_memory.py",
              *BENCHMARK_CODE, *DIST_CODE),
     output:
         csv=report(FSDP_CSV, **FSDP_REPORT),

@@ -41,6 +41,7 @@ from cs336_systems.benchmarking import sync, time_steps
 from cs336_systems.cuda_memory import MIB
 from cs336_systems.distributed import DistContext
 from cs336_systems.distributed_benchmarking import NO_ALLOCATOR_STATS, OOM_REASON
+from cs336_systems.fsdp import FullyShardedDataParallel, is_sharded_layer
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.timeline import record_timeline, stream_timeline
 
@@ -64,14 +65,10 @@ class Settings:
     def dtype(self) -> torch.dtype | None:
         return COMPUTE_DTYPES[self.compute_dtype]
 
-def is_sharded(module: nn.Module) -> bool:
-    """The modules whose weights FSDP shards (2026 §7): every Linear and Embedding; the rest is replicated."""
-    return isinstance(module, nn.Linear | nn.Embedding)
-
 def sharded_units(model: nn.Module) -> tuple[list[int], int]:
-    """Sizes of the sharded weights (one unit per Linear and Embedding, in module order) and the number of
-    replicated parameters (the norms)."""
-    sharded = {id(p): p.numel() for m in model.modules() if is_sharded(m) for p in m.parameters(recurse=False)}
+    """Sizes of the sharded weights (one unit per Linear and Embedding weight, in module order, as our FSDP
+    picks them) and the number of replicated parameters (the norms)."""
+    sharded = {id(m.weight): m.weight.numel() for m in model.modules() if is_sharded_layer(m)}
     replicated = sum(p.numel() for p in model.parameters() if id(p) not in sharded)
     return list(sharded.values()), replicated
 
@@ -113,8 +110,6 @@ def wrap(variant: str, model: TransformerLM, ctx: DistContext, settings: Setting
     if variant == "fsdp2":
         return fully_shard_model(model, ctx.device, settings)
     if variant == "ours":
-        from cs336_systems.fsdp import FullyShardedDataParallel
-
         return FullyShardedDataParallel(
             model, compute_dtype=settings.dtype, prefetch_distance=settings.prefetch_distance
         )
