@@ -1,8 +1,8 @@
 """Worker for tests/test_ffn_parallel.py, run by the real launcher:
     python -m torch.distributed.run --standalone --nproc-per-node N tests/ffn_parallel_worker.py
 
-On every rank, for several (B, D, D_FF): the FFN under DP, FSDP and TP over all ranks (and, at 4 ranks, 2D FSDP x
-TP on a 2 x 2 DeviceMesh) equals the single-device FFN's forward and autograd backward (float64), and its counted
+On every rank, for several (B, D, D_FF): the FFN under DP, FSDP and TP over all ranks (and, at 4 and 6 ranks, 2D FSDP x
+TP on a 2 x 2 or 2 x 3 DeviceMesh) equals the single-device FFN's forward and autograd backward (float64), and its counted
 matmul FLOPs and ring bytes equal cs336_systems.parallelism's expressions. A mismatch raises, ending the job.
 """
 
@@ -16,7 +16,8 @@ from cs336_systems import ffn_parallel
 from cs336_systems import parallelism as p
 from cs336_systems.distributed import distributed
 
-SHAPES = [(8, 8, 16), (16, 4, 8)]  # (B, D, D_FF), each divisible as the shardings need at 2 and 4 ranks
+SHAPES = [(12, 12, 24), (24, 12, 36)]  # (B, D, D_FF), each divisible as the shardings need at 2, 3, 4 and 6 ranks
+MESHES = {4: (2, 2), 6: (2, 3)}  # world size -> (N_FSDP, N_TP) of the 2D check
 BYTES_PER_FP16 = {torch.float64: 4}  # the formulas count fp16 (2 bytes); these tensors are float64 (8)
 
 
@@ -84,7 +85,8 @@ def check_2d(mesh, tensors: list[torch.Tensor], ref: dict, at: dict) -> None:
 
 def main() -> None:
     with distributed("gloo") as ctx:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp")) if ctx.world_size == 4 else None
+        shape = MESHES.get(ctx.world_size)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("fsdp", "tp")) if shape else None
         generator = torch.Generator().manual_seed(0)  # the same full tensors on every rank
         for batch, d_model, d_ff in SHAPES:
             shapes = [(batch, d_model), (d_model, d_ff), (d_model, d_ff), (d_ff, d_model), (batch, d_model)]
@@ -94,7 +96,7 @@ def main() -> None:
             at = {p.B: batch, p.D: d_model, p.D_FF: d_ff, p.W: 1, p.N_DP: n, p.N_FSDP: n, p.N_TP: n}
             check_1d(ctx.rank, n, tensors, ref, at)
             if mesh is not None:
-                check_2d(mesh, tensors, ref, {**at, p.N_FSDP: 2, p.N_TP: 2})
+                check_2d(mesh, tensors, ref, {**at, p.N_FSDP: shape[0], p.N_TP: shape[1]})
         print(f"FFN parallel OK on rank {ctx.rank} of {ctx.world_size}", flush=True)
 
 

@@ -1,4 +1,4 @@
-"""The §8 FFN under DP, FSDP, TP (world 2 and 4) and 2D FSDP x TP (2 x 2 DeviceMesh) on gloo, through the real
+"""The §8 FFN under DP, FSDP, TP (world 2, 3, 4 and 6) and 2D FSDP x TP (2 x 2 and 2 x 3 DeviceMesh) on gloo, through the real
 launcher: equal to the single-device FFN, with counted FLOPs and bytes equal to parallelism.py's expressions
 (tests/ffn_parallel_worker.py asserts on every rank)."""
 
@@ -13,7 +13,7 @@ import pytest
 WORKER = Path(__file__).with_name("ffn_parallel_worker.py")
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 6])
 def test_every_strategy_matches_the_single_device_ffn_and_the_formulas(world_size: int):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
     result = subprocess.run([*command, str(WORKER)], capture_output=True, text=True, timeout=240, check=False)
