@@ -3,6 +3,8 @@
 import shlex
 
 PARALLELISM = config["parallelism"]
+TIMING = PARALLELISM["timing"]
+RING_TIMING_CSV = f"{RESULTS}/parallelism_timing/n{{world_size}}.csv"
 
 
 rule parallelism_analysis:
@@ -29,4 +31,25 @@ rule parallelism_analysis:
         "--ffn {params.ffn} --out {output.csv} 2> {log}"
 
 
-WRITEUP_INPUTS += [f"{RESULTS}/parallelism/answers.csv"]
+use rule launch_ranks as ring_allreduce_timing with:
+    input:
+        code("experiments/ring_allreduce_timing.py", "ring_collectives.py", "parallelism.py", *DIST_CODE),
+    output:
+        csv=report(RING_TIMING_CSV, caption="report/parallelism.rst", category="Results",
+                   subcategory="8 Parallelism analysis"),
+        json=f"{RESULTS}/parallelism_timing/n{{world_size}}.json",
+    wildcard_constraints:
+        world_size=r"\d+",
+    params:
+        **launched(lambda w: w.world_size, "gloo", RING_TIMING_CSV),
+        cli=f"cs336_systems.experiments.ring_allreduce_timing --sizes-mb {listed(TIMING['sizes_mb'])} "
+            f"--warmup {TIMING['warmup']} --iters {TIMING['iters']}",
+    threads: rank_threads(lambda w: w.world_size)
+    resources:
+        **ranks(lambda w: w.world_size, "gloo"),
+    log:
+        f"{RESULTS}/logs/parallelism/timing_n{{world_size}}.log",
+
+
+WRITEUP_INPUTS += [f"{RESULTS}/parallelism/answers.csv",
+                   *(RING_TIMING_CSV.format(world_size=n) for n in TIMING["world_sizes"])]

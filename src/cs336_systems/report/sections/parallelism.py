@@ -1,5 +1,6 @@
-"""2026 §8: the parallelism answers derived with sympy, as math with their justifications, and their device-count
-bounds on the configured hardware and FFNs."""
+"""2026 §8: the parallelism answers derived with sympy, as math with their justifications, their device-count
+bounds on the configured hardware and FFNs, and §8.1's two all-reduce algorithms timed against their predicted
+ratio."""
 
 from __future__ import annotations
 
@@ -30,8 +31,40 @@ def render(ctx: Context) -> str:
         lines += [f"### {question}", ""]
         for _, row in group.iterrows():
             lines += [f"**{capitalized(row['quantity'])}.** {row['justification']}", "", f"$${row['latex']}$$", ""]
-    lines += ["### The device bounds on real hardware", "", bounds_text(frame)]
+    lines += ["### The device bounds on real hardware", "", bounds_text(frame), "",
+              "### 8.1 timed: the ring and the alternate all-reduce", "", timing_text(ctx)]
     return "\n".join(lines)
+
+
+def timing_text(ctx: Context) -> str:
+    """Each world size and message size: both algorithms' medians, their measured ratio beside the predicted one,
+    and a sentence on the largest message (the bandwidth-bound end) computed from the rows."""
+    found = ctx.table_or_reason("parallelism_timing", "The all-reduce timing")
+    if isinstance(found, str):
+        return found
+    frame, metas = found
+    times = frame.pivot_table(index=["world_size", "size_mb"], columns="algorithm", values="median_ms")
+    ratios = frame.groupby(["world_size", "size_mb"])[["measured_ratio", "predicted_ratio"]].first()
+    table = times[["ring", "alternate"]].join(ratios).reset_index().astype({"world_size": int}).rename(columns={
+        "world_size": "N", "size_mb": "MiB", "ring": "ring ms", "alternate": "alternate ms",
+        "measured_ratio": "alternate / ring, measured", "predicted_ratio": "predicted (N / 2)"})
+    largest = table[table["MiB"] == table["MiB"].max()]
+    findings = ", ".join(f"{r['alternate / ring, measured']:.2f} at N = {r['N']} (predicted "
+                         f"{r['predicted (N / 2)']:.1f})" for _, r in largest.iterrows())
+    smallest = table[table["MiB"] == table["MiB"].min()]
+    return "\n".join([
+        provenance_line(metas),
+        "Both algorithms on `cs336_systems.ring_collectives` (point-to-point send/recv, gloo, one process per "
+        "rank on this machine's CPUs); median over iterations of the slowest rank, each iteration from a barrier.",
+        "",
+        text_md(table.assign(**{"MiB": table["MiB"].map("{:g}".format)}).astype({"N": str}).round(2).astype(str)),
+        "",
+        f"At {largest['MiB'].iloc[0]:g} MiB the alternate all-reduce takes {findings} times the ring's. At "
+        f"{smallest['MiB'].iloc[0]:g} MiB the ratio is {smallest['alternate / ring, measured'].min():.2f}–"
+        f"{smallest['alternate / ring, measured'].max():.2f}: there each of the ring's 2 (N − 1) steps is a round "
+        "trip's latency, twice the alternate's N − 1 steps, which the bandwidth-only model leaves out; and the "
+        "ranks share the machine's cores, so the copies that the model counts as link time compete for them.",
+    ])
 
 
 def bounds_text(frame: pd.DataFrame) -> str:
