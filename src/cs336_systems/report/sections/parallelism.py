@@ -49,21 +49,24 @@ def timing_text(ctx: Context) -> str:
         "world_size": "N", "size_mb": "MiB", "ring": "ring ms", "alternate": "alternate ms",
         "measured_ratio": "alternate / ring, measured", "predicted_ratio": "predicted (N / 2)"})
     largest = table[table["MiB"] == table["MiB"].max()]
-    findings = ", ".join(f"{r['alternate / ring, measured']:.2f} at N = {r['N']} (predicted "
+    findings = ", ".join(f"{r['alternate / ring, measured']:.2f} at N = {int(r['N'])} (predicted "
                          f"{r['predicted (N / 2)']:.1f})" for _, r in largest.iterrows())
     smallest = table[table["MiB"] == table["MiB"].min()]
     return "\n".join([
         provenance_line(metas),
         "Both algorithms on `cs336_systems.ring_collectives` (point-to-point send/recv, gloo, one process per "
-        "rank on this machine's CPUs); median over iterations of the slowest rank, each iteration from a barrier.",
+        "rank on one machine, messages over loopback); median over iterations of the slowest rank, each iteration "
+        "from a barrier.",
         "",
         text_md(table.assign(**{"MiB": table["MiB"].map("{:g}".format)}).astype({"N": str}).round(2).astype(str)),
         "",
-        f"At {largest['MiB'].iloc[0]:g} MiB the alternate all-reduce takes {findings} times the ring's. At "
-        f"{smallest['MiB'].iloc[0]:g} MiB the ratio is {smallest['alternate / ring, measured'].min():.2f}–"
-        f"{smallest['alternate / ring, measured'].max():.2f}: there each of the ring's 2 (N − 1) steps is a round "
-        "trip's latency, twice the alternate's N − 1 steps, which the bandwidth-only model leaves out; and the "
-        "ranks share the machine's cores, so the copies that the model counts as link time compete for them.",
+        f"At {largest['MiB'].iloc[0]:g} MiB the alternate all-reduce takes {findings} times the ring's; at "
+        f"{smallest['MiB'].iloc[0]:g} MiB {smallest['alternate / ring, measured'].min():.2f}–"
+        f"{smallest['alternate / ring, measured'].max():.2f} times. The model assumes that each device's egress "
+        "bandwidth (its W) is the limit; over one machine's loopback these numbers show it is not: the "
+        "alternate's N − 1 full-size messages do not cost N/2 times the ring's 2 (N − 1) chunks, and for small "
+        "messages the ring's twice as many steps, each a round trip, make it the slower one. Checking the ratio "
+        "needs links whose bandwidth is the limit (NCCL between GPUs, or gloo between machines).",
     ])
 
 
