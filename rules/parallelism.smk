@@ -5,6 +5,7 @@ import shlex
 PARALLELISM = config["parallelism"]
 TIMING = PARALLELISM["timing"]
 RING_TIMING_CSV = f"{RESULTS}/parallelism_timing/n{{world_size}}.csv"
+CHECKS_CSV = f"{RESULTS}/parallelism_checks/n{{world_size}}.csv"
 
 
 rule parallelism_analysis:
@@ -51,5 +52,26 @@ use rule launch_ranks as ring_allreduce_timing with:
         f"{RESULTS}/logs/parallelism/timing_n{{world_size}}.log",
 
 
+use rule launch_ranks as parallelism_checks with:
+    input:
+        code("experiments/parallelism_checks.py", "parallelism_checks.py", "ring_collectives.py", "ffn_parallel.py",
+             "parallelism.py", *DIST_CODE),
+    output:
+        csv=report(CHECKS_CSV, caption="report/parallelism.rst", category="Results",
+                   subcategory="8 Parallelism analysis"),
+        json=f"{RESULTS}/parallelism_checks/n{{world_size}}.json",
+    wildcard_constraints:
+        world_size=r"\d+",
+    params:
+        **launched(lambda w: w.world_size, "gloo", CHECKS_CSV),
+        cli="cs336_systems.experiments.parallelism_checks",
+    threads: rank_threads(lambda w: w.world_size)
+    resources:
+        **ranks(lambda w: w.world_size, "gloo"),
+    log:
+        f"{RESULTS}/logs/parallelism/checks_n{{world_size}}.log",
+
+
 WRITEUP_INPUTS += [f"{RESULTS}/parallelism/answers.csv",
-                   *(RING_TIMING_CSV.format(world_size=n) for n in TIMING["world_sizes"])]
+                   *(RING_TIMING_CSV.format(world_size=n) for n in TIMING["world_sizes"]),
+                   *(CHECKS_CSV.format(world_size=n) for n in PARALLELISM["check_world_sizes"])]

@@ -32,8 +32,48 @@ def render(ctx: Context) -> str:
         for _, row in group.iterrows():
             lines += [f"**{capitalized(row['quantity'])}.** {row['justification']}", "", f"$${row['latex']}$$", ""]
     lines += ["### The device bounds on real hardware", "", bounds_text(frame), "",
+              "### Checked by running them", "", checks_text(ctx), "",
               "### 8.1 timed: the ring and the alternate all-reduce", "", timing_text(ctx)]
     return "\n".join(lines)
+
+
+def checks_text(ctx: Context) -> str:
+    """Pass/fail of every check per world size, the largest error, and the counted numbers beside the derived
+    ones at the largest world size (rank 0)."""
+    found = ctx.table_or_reason("parallelism_checks", "The checks")
+    if isinstance(found, str):
+        return found
+    frame, metas = found
+    errors = frame[frame["quantity"].str.startswith("max error")]
+    summary = frame.groupby("check", sort=False).agg(
+        world_sizes=("world_size", lambda w: ", ".join(map(str, sorted(set(w))))),
+        checks=("passed", "size"), passed=("passed", "sum")).reset_index()
+    largest = frame["world_size"].max()
+    counted = frame[(frame["world_size"] == largest) & (frame["rank"] == 0)
+                    & ~frame["quantity"].str.startswith(("max error", "input"))]
+    counted = counted.drop_duplicates(["check", "quantity"])[["check", "shape", "quantity", "counted", "derived",
+                                                             "passed"]]
+    failed = frame[~frame["passed"]]
+    verdict = (f"All {len(frame)} checks passed" if failed.empty
+               else f"{len(failed)} of {len(frame)} checks FAILED: " + "; ".join(
+                   f"{r['check']} {r['quantity']} at N = {r['world_size']}" for _, r in failed.head(5).iterrows()))
+    return "\n".join([
+        provenance_line(metas),
+        "`cs336_systems.parallelism_checks` on every rank (gloo, float64): each ring collective against "
+        "torch.distributed's own and the FFN under DP, FSDP, TP and 2D FSDP × TP against the single-device FFN "
+        "(outputs and gradients, error relative to the reference's largest value, within 1e-12); bytes sent, ring "
+        "steps and matmul FLOPs (`FlopCounterMode`) counted during the run against the expressions above (bytes "
+        "scaled from fp16 to the float64 sent).",
+        "",
+        text_md(summary.astype(str)),
+        "",
+        f"{verdict}; the largest error is {errors['counted'].max():.1e}.",
+        "",
+        f"Counted beside derived at N = {largest} (rank 0, the first shape of each check):",
+        "",
+        text_md(counted.assign(counted=counted["counted"].map("{:,.0f}".format),
+                               derived=counted["derived"].map("{:,.0f}".format)).astype(str)),
+    ])
 
 
 def timing_text(ctx: Context) -> str:
