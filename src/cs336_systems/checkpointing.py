@@ -27,8 +27,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-KINDS = ("none", "every:K", "nested", "selective")
-
 aten = torch.ops.aten
 MATMUL_OPS = {aten.mm.default, aten.bmm.default, aten.addmm.default}
 ATTENTION_OPS = {

@@ -52,6 +52,7 @@ LAYER = "fsdp_layer_"  # record_function label of Transformer block i's forward 
 STAT_KEYS = ("gather_wait_s", "sync_wait_s", "bytes_all_gathered", "bytes_reduce_scattered", "bytes_all_reduced")
 NO_STREAMS = "no CUDA streams on the CPU: gloo's collectives run on its worker threads, not beside compute kernels"
 
+
 @dataclass(frozen=True)
 class Settings:
     """What every variant of one run shares besides the model and its batch."""
@@ -65,12 +66,14 @@ class Settings:
     def dtype(self) -> torch.dtype | None:
         return COMPUTE_DTYPES[self.compute_dtype]
 
+
 def sharded_units(model: nn.Module) -> tuple[list[int], int]:
     """Sizes of the sharded weights (one unit per Linear and Embedding weight, in module order, as our FSDP
     picks them) and the number of replicated parameters (the norms)."""
     sharded = {id(m.weight): m.weight.numel() for m in model.modules() if is_sharded_layer(m)}
     replicated = sum(p.numel() for p in model.parameters() if id(p) not in sharded)
     return list(sharded.values()), replicated
+
 
 def model_units(cfg: ModelConfig) -> tuple[list[int], int]:
     """`sharded_units` of the model of `cfg`, built on the meta device (no memory)."""
@@ -82,6 +85,7 @@ def prefetch_plan(length: int, distance: int) -> list[list[int]]:
     """For each module of a pass of `length` modules, the later modules it prefetches: the next distance - 1,
     so that d modules' weights are gathered at a time."""
     return [list(range(i + 1, min(i + distance, length))) for i in range(length)]
+
 
 def fully_shard_model(model: TransformerLM, device: torch.device, settings: Settings) -> TransformerLM:
     """FSDP2 on every block and the root, with our precision policy and prefetch distance (module docstring)."""
@@ -102,6 +106,7 @@ def fully_shard_model(model: TransformerLM, device: torch.device, settings: Sett
             getattr(module, prefetch)([chain[t] for t in targets])
     return model
 
+
 def wrap(variant: str, model: TransformerLM, ctx: DistContext, settings: Settings) -> nn.Module:
     if variant == "single":
         return model
@@ -114,6 +119,7 @@ def wrap(variant: str, model: TransformerLM, ctx: DistContext, settings: Setting
             model, compute_dtype=settings.dtype, prefetch_distance=settings.prefetch_distance
         )
     raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
+
 
 def computed_bytes(variant: str, model: TransformerLM, world_size: int, settings: Settings) -> dict[str, float]:
     """Bytes one rank sends per step (accounting.collective_bytes), computed from the unwrapped model's
@@ -132,9 +138,11 @@ def computed_bytes(variant: str, model: TransformerLM, world_size: int, settings
             moved["bytes_all_reduced"] += collective_bytes("all_reduce", full * 4, world_size)
     return moved
 
+
 def blocks_of(model: nn.Module) -> nn.ModuleList:
     """The Transformer blocks inside a wrapper (ours and DDP keep the model as `.module`; FSDP2 is the model)."""
     return getattr(model, "module", model).blocks
+
 
 @contextmanager
 def layer_annotations(blocks: nn.ModuleList) -> Iterator[None]:
@@ -158,10 +166,12 @@ def layer_annotations(blocks: nn.ModuleList) -> Iterator[None]:
         for handle in handles:
             handle.remove()
 
+
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         sync(device)
         torch.cuda.reset_peak_memory_stats(device)
+
 
 def peak_mib(device: torch.device) -> float | None:
     """The allocator's peak since the last reset_peak (CUDA); None on the CPU, which has no such statistics."""
@@ -169,6 +179,7 @@ def peak_mib(device: torch.device) -> float | None:
         return None
     sync(device)
     return torch.cuda.max_memory_allocated(device) / MIB
+
 
 def measure(
     variant: str,
@@ -220,6 +231,7 @@ def measure(
             intervals = record_timeline(step.train_step, trace_steps, ctx.device, trace if ctx.is_main else None, read)
     return {"step_s": step_s, "peak_mib": peak, "counted": counted, "bytes": bytes_moved, "intervals": intervals}
 
+
 def cell_rows(variant: str, setting: dict[str, Any], per_rank: list[dict | None] | str) -> list[dict[str, Any]]:
     """One row per rank that took part: the cell's step time (per step the slowest rank's; median, min, max in
     ms), this rank's peak (MiB), its exposed all-gather and synchronisation waits (ms, median over the counted
@@ -251,6 +263,7 @@ def cell_rows(variant: str, setting: dict[str, Any], per_rank: list[dict | None]
         )
     return rows
 
+
 def waits_and_bytes(variant: str, result: dict[str, Any]) -> tuple[dict, dict, str]:
     """Ours: the medians of its counted statistics. The others: no counted waits (FSDP2 hides its all-gather
     waits inside its hooks: None, read the timeline instead; DDP and the floor gather nothing: 0), computed bytes."""
@@ -260,6 +273,7 @@ def waits_and_bytes(variant: str, result: dict[str, Any]) -> tuple[dict, dict, s
         return waits, {key: median[key] for key in STAT_KEYS if key.startswith("bytes")}, "counted"
     wait = None if variant == "fsdp2" else 0.0
     return {"gather_wait_ms": wait, "sync_wait_ms": None}, result["bytes"], "computed"
+
 
 def timeline_rows(
     variant: str, world_size: int, per_rank: list[dict | None] | str, device: str
