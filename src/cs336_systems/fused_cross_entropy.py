@@ -23,7 +23,7 @@ import triton.language as tl
 from cs336_systems import triton_interpreter
 
 # Below every logit a float32 row holds; masked lanes start and stay there, so they add exp(-huge) = 0 to the sum.
-_FLOOR = -1.0e30
+_FLOOR = tl.constexpr(-1.0e30)
 
 
 @triton.jit
