@@ -28,6 +28,10 @@ import torch.distributed as dist
 import torch.distributed.nn  # noqa: F401
 
 BACKENDS = ("gloo", "nccl")
+# torch 2.13 renamed the flat collectives; the old names warn there, and the assignment's tests turn warnings
+# into errors. Everything in this package calls them by these two names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 

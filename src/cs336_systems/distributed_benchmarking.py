@@ -13,12 +13,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from cs336_systems import cli
 from cs336_systems.accounting import sharding_prediction
-from cs336_systems.benchmarking import or_oom, sync
+from cs336_systems.benchmarking import or_oom, sync, time_phases
 from cs336_systems.distributed import BACKENDS, DistContext, gather_to_rank0
 from cs336_systems.model import ModelConfig
+from cs336_systems.provenance import write_rows
 
 T = TypeVar("T")
 OOM_REASON = "out of memory on a rank"
@@ -44,6 +46,19 @@ def gather_measurements(measure: Callable[[], T]) -> list[T] | str | None:
     return "OOM" if any(isinstance(result, str) and result == "OOM" for result in per_rank) else per_rank
 
 
+def time_collective(
+    collective: Callable[[], Any], device: torch.device, warmup: int, iters: int, after: Callable[[], Any] | None = None
+) -> list[float] | None:
+    """Seconds of each timed `collective()`, the slowest rank's per iteration, on rank 0 (None on the others).
+
+    Every iteration starts from a barrier, so a rank's time is the collective's, not its wait for late peers;
+    `after` (e.g. rescaling an all-reduced tensor) runs after each call, outside the timed phase.
+    """
+    phases = {"barrier": dist.barrier, "collective": collective} | ({"after": after} if after else {})
+    per_rank = gather_to_rank0([step["collective"] for step in time_phases(phases, warmup, iters, device)])
+    return None if per_rank is None else [max(times) for times in zip(*per_rank, strict=True)]
+
+
 def log_median(prefix: str, per_rank: list[dict | None] | str, key: str) -> None:
     """Log a cell's median over steps of the slowest rank's `key` (seconds per step), or that it ran out of
     memory."""
@@ -53,6 +68,17 @@ def log_median(prefix: str, per_rank: list[dict | None] | str, key: str) -> None
         slowest = map(max, zip(*(result[key] for result in per_rank if result is not None), strict=True))
         text = f"{statistics.median(slowest) * 1e3:.1f} ms"
     print(f"{prefix} {text}", file=sys.stderr, flush=True)
+
+
+def write_results(args: argparse.Namespace, ctx: DistContext, rows: list[dict], intervals: list[dict]) -> None:
+    """On rank 0: the benchmark's rows to `args.out` and, where `--timeline-out` was given, its traced kernel
+    intervals there, both with the run's parameters and world size as provenance."""
+    if not ctx.is_main:
+        return
+    recorded = {**cli.params(args), "world_size": ctx.world_size}
+    write_rows(rows, args.out, recorded)
+    if args.timeline_out is not None:
+        write_rows(intervals, args.timeline_out, recorded)
 
 
 def setting_columns(

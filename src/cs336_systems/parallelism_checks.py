@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from cs336_systems import ffn_parallel
 from cs336_systems import parallelism as p
+from cs336_systems.distributed import all_gather_flat, reduce_scatter_flat
 from cs336_systems.ring_collectives import (
     Traffic,
     alternate_all_reduce,
@@ -24,9 +25,6 @@ from cs336_systems.ring_collectives import (
     ring_reduce_scatter,
 )
 
-# torch 2.13 renamed these two; the old names warn there.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 TOLERANCE = 1e-12
 FFN_SHAPES = [(12, 12, 24), (24, 12, 36)]  # (B, D, D_FF), divisible as every sharding needs at 2, 3, 4 and 6 ranks
 MESHES = {4: (2, 2), 6: (2, 3)}  # world size -> (N_FSDP, N_TP) of the 2D check
@@ -64,12 +62,12 @@ def ring_collective_rows(rows: int, generator: torch.Generator) -> list[dict]:
         out.append(_row(f"ring {name}", shape, "input unchanged", float(torch.equal(x, before)), 1.0))
         out += _traffic_rows(f"ring {name}", name, shape, size, traffic)
     traffic, reference = Traffic(), torch.empty(rows // world, 5, dtype=x.dtype)
-    _reduce_scatter(reference, x)
+    reduce_scatter_flat(reference, x)
     out.append(_row("ring reduce_scatter", shape, "max error", _error(ring_reduce_scatter(x, traffic), reference), 0))
     out += _traffic_rows("ring reduce_scatter", "reduce_scatter", shape, size, traffic)
     traffic, chunk = Traffic(), x[: rows // world].clone()
     reference = torch.empty_like(x)
-    _all_gather(reference, chunk)
+    all_gather_flat(reference, chunk)
     out.append(_row("ring all_gather", shape, "max error", _error(ring_all_gather(chunk, traffic), reference), 0))
     out += _traffic_rows("ring all_gather", "all_gather", shape, size, traffic)
     return out

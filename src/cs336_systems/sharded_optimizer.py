@@ -27,13 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cs336_systems.distributed import all_gather_flat
 from cs336_systems.partition import balanced_partition
 
 # Upper bound on the receive buffer of one all-gather round; the send buffer is 1/world_size of it.
 GATHER_CHUNK_BYTES = 256 * 2**20
-
-# all_gather_single is the newer name of all_gather_into_tensor (deprecated in recent torch).
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 _NOT_HYPERPARAMETERS = ("params", "param_names")
 
@@ -128,7 +126,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         received = torch.empty(self.world_size * chunk, dtype=like.dtype, device=like.device)
         for start in range(0, longest, chunk):
             _copy_flat_range(shards[self.rank], offsets[self.rank], start, send, to_buffer=True)
-            _all_gather_flat(received, send)
+            all_gather_flat(received, send)
             for rank in range(self.world_size):
                 if rank != self.rank:
                     piece = received[rank * chunk : (rank + 1) * chunk]

@@ -14,13 +14,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from cs336_systems import cli
-from cs336_systems.benchmarking import summarize, time_phases
-from cs336_systems.distributed import BACKENDS, distributed, gather_to_rank0
+from cs336_systems.benchmarking import summarize
+from cs336_systems.distributed import BACKENDS, distributed
+from cs336_systems.distributed_benchmarking import time_collective
 from cs336_systems.provenance import write_rows
 
 BYTES_PER_MB = 2**20
@@ -35,27 +37,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def time_all_reduce(tensor: torch.Tensor, warmup: int, iters: int) -> list[float]:
-    """This rank's seconds for each timed all-reduce of `tensor`."""
-    phases = {
-        "barrier": dist.barrier,  # start together, so a rank's time is the collective's, not its wait for late peers
-        "all_reduce": lambda: dist.all_reduce(tensor),
-        "rescale": lambda: tensor.div_(dist.get_world_size()),  # keep the values bounded, outside the timed phase
-    }
-    return [step["all_reduce"] for step in time_phases(phases, warmup, iters, tensor.device)]
-
-
 def run(args: argparse.Namespace, device: torch.device) -> list[dict]:
     world_size = dist.get_world_size()
     rows = []
     for size_mb in args.sizes_mb:
         numel = int(size_mb * BYTES_PER_MB) // 4
         tensor = torch.rand(numel, dtype=torch.float32, device=device)
-        per_rank = gather_to_rank0(time_all_reduce(tensor, args.warmup, args.iters))
+        # rescaling keeps the values bounded over iterations
+        slowest = time_collective(partial(dist.all_reduce, tensor), device, args.warmup, args.iters,
+                                  after=partial(tensor.div_, world_size))
         del tensor
-        if per_rank is None:
+        if slowest is None:
             continue
-        slowest = [max(times) for times in zip(*per_rank, strict=True)]
         median_s = statistics.median(slowest)
         algbw = numel * 4 / median_s / 1e9
         rows.append(

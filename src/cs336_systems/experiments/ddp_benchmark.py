@@ -31,8 +31,8 @@ from cs336_systems.distributed_benchmarking import (
     gather_measurements,
     log_median,
     setting_columns,
+    write_results,
 )
-from cs336_systems.provenance import write_rows
 from cs336_systems.timeline import record_timeline
 
 VARIANTS = (*ddp.WRAPPERS, "torch_ddp", "single")
@@ -115,11 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                 cell_rows, cell_intervals = ddp_rows({"variant": variant, "bucket_size_mb": bucket}, setting, per_rank)
                 rows, intervals = rows + cell_rows, intervals + cell_intervals
                 log_median(f"[ddp] {label(variant, bucket)}: median step", per_rank, "step_s")
-        if ctx.is_main:
-            recorded = {**cli.params(args), "world_size": ctx.world_size}
-            write_rows(rows, args.out, recorded)
-            if args.timeline_out is not None:
-                write_rows(intervals, args.timeline_out, recorded)
+        write_results(args, ctx, rows, intervals)
 
 
 if __name__ == "__main__":

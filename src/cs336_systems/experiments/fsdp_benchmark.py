@@ -32,6 +32,7 @@ from cs336_systems.distributed_benchmarking import (
     gather_measurements,
     log_median,
     setting_columns,
+    write_results,
 )
 from cs336_systems.fsdp_benchmarking import (
     COMPUTE_DTYPES,
@@ -42,7 +43,6 @@ from cs336_systems.fsdp_benchmarking import (
     measure,
     timeline_rows,
 )
-from cs336_systems.provenance import write_rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,11 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                 if traced:
                     intervals += timeline_rows(variant, ctx.world_size, per_rank, ctx.device.type)
                 log_median(f"[fsdp] {variant}: median step", per_rank, "step_s")
-        if ctx.is_main:
-            recorded = {**cli.params(args), "world_size": ctx.world_size}
-            write_rows(rows, args.out, recorded)
-            if args.timeline_out is not None:
-                write_rows(intervals, args.timeline_out, recorded)
+        write_results(args, ctx, rows, intervals)
 
 
 if __name__ == "__main__":

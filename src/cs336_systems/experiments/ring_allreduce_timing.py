@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from cs336_systems import cli
 from cs336_systems import parallelism as p
-from cs336_systems.benchmarking import time_phases
-from cs336_systems.distributed import BACKENDS, distributed, gather_to_rank0
+from cs336_systems.distributed import BACKENDS, distributed
+from cs336_systems.distributed_benchmarking import time_collective
 from cs336_systems.provenance import write_rows
 from cs336_systems.ring_collectives import alternate_all_reduce, ring_all_reduce
 
@@ -46,11 +47,6 @@ def predicted_ratio(world_size: int) -> float:
     return float(p.sp.simplify(ratio).subs(p.N, world_size))
 
 
-def time_algorithm(algorithm, x: torch.Tensor, warmup: int, iters: int) -> list[float]:
-    phases = {"barrier": dist.barrier, "all_reduce": lambda: algorithm(x)}
-    return [step["all_reduce"] for step in time_phases(phases, warmup, iters, x.device)]
-
-
 def run(args: argparse.Namespace, device: torch.device) -> list[dict]:
     world = dist.get_world_size()
     rows = []
@@ -60,9 +56,9 @@ def run(args: argparse.Namespace, device: torch.device) -> list[dict]:
         x = torch.rand(numel, dtype=torch.float32, device=device)
         medians = {}
         for name, algorithm in ALGORITHMS.items():
-            per_rank = gather_to_rank0(time_algorithm(algorithm, x, args.warmup, args.iters))
-            if per_rank is not None:
-                medians[name] = statistics.median(max(times) for times in zip(*per_rank, strict=True))
+            slowest = time_collective(partial(algorithm, x), device, args.warmup, args.iters)
+            if slowest is not None:
+                medians[name] = statistics.median(slowest)
         if not medians:
             continue
         for name, median_s in medians.items():
