@@ -177,8 +177,9 @@ def compute_dtype(dtype: torch.dtype, tolerance: float) -> None:
 
 
 def prefetch_rule() -> None:
-    """A layer's all-gather starts only after the layer two before it finished its forward, and every gathered
-    weight is freed after the forward and after the backward."""
+    """A layer's all-gather starts only after the layer two before it finished its forward (in the backward: the
+    layer two after it finished its backward), and every gathered weight is freed after the forward and after
+    the backward."""
     torch.manual_seed(0)
     fsdp = FullyShardedDataParallel(ToyLM())
     fsdp.record_events = True
@@ -190,6 +191,7 @@ def prefetch_rule() -> None:
         forward = list(fsdp.events)
         loss_fn(logits, my_targets).backward()
         fsdp.finish_gradient_synchronization()
+        backward = fsdp.events[len(forward) :]
         assert not any(w.gathered for w in fsdp.weights), "a gathered weight outlived the backward"
     order = fsdp.order
     assert [fsdp.weights[i].name for i in order] == ["embed.weight", "up.weight", "down.weight", "head.weight"]
@@ -200,6 +202,12 @@ def prefetch_rule() -> None:
         if kind == "gather" and position >= 2:
             done = forward.index(("forward_done", order[position - 2]))
             assert done < forward.index((kind, index)), f"layer {index} gathered too early: {forward}"
+    assert sorted(i for kind, i in backward if kind == "gather") == sorted(order), f"one gather each: {backward}"
+    for kind, index in backward:
+        position = order.index(index)
+        if kind == "gather" and position + 2 < len(order):
+            done = backward.index(("backward_done", order[position + 2]))
+            assert done < backward.index((kind, index)), f"layer {index} gathered too early: {backward}"
 
 
 def our_transformer() -> None:

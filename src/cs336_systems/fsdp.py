@@ -15,16 +15,22 @@ last rank's padded with zeros), registered in the layer under its old name, so `
 the shards; everything else (norms, biases) is replicated and its gradients are averaged. A frozen weight stays
 whole and frozen; a weight shared by two layers (tied) is refused at construction.
 
-**Forward.** A layer's full weight exists only around its use: all-gathered (in `compute_dtype`, cast before
-communicating) into a buffer whose storage is freed after the layer's forward. The gather of the layer at
-position i (in the order the layers ran in the first forward) starts once the layer at i - prefetch_distance has
-finished its forward, asynchronously, and is waited for right before the layer runs.
+**Forward.** A layer's full weight exists only around its use: all-gathered (in `compute_dtype`: each rank
+casts its shard into its own chunk of the gathered buffer, and the all-gather runs in place) into a buffer whose
+storage is freed after the layer's forward. The gather of the layer at position i (in the order the layers ran
+in the first forward) starts once the layer at i - prefetch_distance has finished its forward, asynchronously,
+and is waited for right before the layer runs.
 
-**Backward.** Before a layer's backward (a hook on its output's gradient) its weight is gathered again into the
-same storage, which autograd saved, and the layer before it is prefetched. The weight's gradient, once
+**Backward.** The mirror image: a layer's weight is gathered again into the same storage (which autograd
+saved) once the layer prefetch_distance after it has finished its backward (its weight gradient is ready), and
+waited for before the layer's own backward (a hook on its output's gradient). The weight's gradient, once
 accumulated, is reduce-scattered in float32 to its owner asynchronously and the storage freed again;
 `finish_gradient_synchronization` waits for the outstanding reductions and writes each shard's `.grad`
-(float32, the average over ranks), so any torch.optim optimizer steps only its shard.
+(float32, the average over ranks), so any torch.optim optimizer steps only its shard. The replicated
+parameters' gradients, small, are averaged there in one all-reduce.
+
+At world size 1 there is nothing to communicate: a "gather" is the cast into the buffer and the gradient is
+the shard's, with the same buffers, hooks and freeing (so one GPU measures the machinery's own cost).
 
 Memory per rank: the shards and replicated parameters with their gradients and optimizer state, plus the full
 weights of the few layers gathered at a time and, briefly, a layer's full gradient (float32) while it is being
@@ -108,22 +114,24 @@ class _ShardedWeight:
         self.full = torch.empty(0, dtype=compute_dtype, device=weight.device)
         self.full.set_(self.buffer.untyped_storage(), 0, self.shape)
         self.full.requires_grad_(True)
+        self.local = self.buffer[rank * self.shard_numel : (rank + 1) * self.shard_numel]  # this rank's chunk
         self.free()
         self.gather_work: dist.Work | None = None
-        self.reduce: tuple[dist.Work, torch.Tensor] | None = None
 
     @property
     def gathered(self) -> bool:
         return self.buffer.untyped_storage().nbytes() > 0
 
-    def start_gather(self) -> dist.Work | None:
-        """Refill the full weight from every rank's shard (cast to the compute dtype first), asynchronously."""
+    def start_gather(self) -> bool:
+        """Refill the full weight from every rank's shard (cast to the compute dtype), asynchronously; False if
+        it is gathered already."""
         if self.gathered:
-            return None
+            return False
         self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
-        local = self.shard.detach().to(self.buffer.dtype)
-        self.gather_work = all_gather_flat(self.buffer, local, async_op=True)
-        return self.gather_work
+        self.local.copy_(self.shard.detach())
+        if self.world > 1:
+            self.gather_work = all_gather_flat(self.buffer, self.local, async_op=True)
+        return True
 
     def free(self) -> None:
         self.buffer.untyped_storage().resize_(0)
@@ -173,14 +181,16 @@ class FullyShardedDataParallel(nn.Module):
         sharded = {id(w.shard) for w in self.weights}
         self.replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in sharded]
 
-        self.order: list[int] = []  # positions of self.weights in the order the layers ran (first forward)
+        self.order: list[int] = []  # indices into self.weights in the order the layers ran (first forward)
+        self._position: dict[int, int] = {}  # index -> its position in self.order
         self._seen: list[int] = []
-        self._reductions: list[tuple[dist.Work, torch.Tensor, nn.Parameter]] = []
+        self._reductions: list[tuple[dist.Work | None, torch.Tensor, nn.Parameter]] = []
         self._stopwatch = _Stopwatch(self.weights[0].full.device if self.weights else torch.device("cpu"))
         self.measure_communication = False
         self.last_step_stats: dict[str, float] = {}
         self._bytes = dict.fromkeys(("bytes_all_gathered", "bytes_reduce_scattered", "bytes_all_reduced"), 0.0)
-        self.events: list[tuple[str, int]] = []  # ("gather", i) / ("forward_done", i) when record_events
+        # ("gather" | "forward_done" | "backward_done", i) when record_events (tests check the prefetch rule)
+        self.events: list[tuple[str, int]] = []
         self.record_events = False
 
         this = weakref.ref(self)
@@ -188,8 +198,6 @@ class FullyShardedDataParallel(nn.Module):
             weight.layer.register_forward_pre_hook(_hook(this, "_before_forward", index))
             weight.layer.register_forward_hook(_hook(this, "_after_forward", index))
             weight.full.register_post_accumulate_grad_hook(_hook(this, "_gradient_ready", index))
-        for param in self.replicated:
-            param.register_post_accumulate_grad_hook(_hook(this, "_replicated_gradient_ready"))
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -197,12 +205,18 @@ class FullyShardedDataParallel(nn.Module):
         self._seen = []
         return self.module(*args, **kwargs)
 
-    def _sequence(self) -> list[int]:
-        return self.order or list(range(len(self.weights)))
+    def _neighbour(self, index: int, offset: int) -> int | None:
+        """The layer `offset` positions after `index` in the order of the forward (before it, if negative)."""
+        position = self._position.get(index, index) + offset  # before the first forward ends: module order
+        if not 0 <= position < len(self.weights):
+            return None
+        return self.order[position] if self.order else position
 
-    def _gather(self, index: int) -> None:
+    def _gather(self, index: int | None) -> None:
+        if index is None:
+            return
         weight = self.weights[index]
-        if weight.start_gather() is not None:
+        if weight.start_gather():
             self._bytes["bytes_all_gathered"] += (self.world - 1) * weight.shard_numel * weight.buffer.element_size()
             if self.record_events:
                 self.events.append(("gather", index))
@@ -219,11 +233,9 @@ class FullyShardedDataParallel(nn.Module):
 
     def _before_forward(self, index: int, *_) -> None:
         self._seen.append(index)
-        sequence = self._sequence()
-        position = sequence.index(index)
-        if position == 0:  # nothing before it has run: the first `prefetch_distance` layers may gather now
-            for ahead in sequence[: self.prefetch_distance]:
-                self._gather(ahead)
+        if self._neighbour(index, -1) is None:  # nothing before it has run: the first layers may gather now
+            for ahead in range(1, self.prefetch_distance):
+                self._gather(self._neighbour(index, ahead))
         self._wait_gathered(index)
         self.weights[index].use_full_weight()
 
@@ -235,47 +247,64 @@ class FullyShardedDataParallel(nn.Module):
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(_hook(weakref.ref(self), "_before_backward", index))
         weight.free()
-        sequence = self._sequence()
-        position = sequence.index(index)
-        if position + self.prefetch_distance < len(sequence):
-            self._gather(sequence[position + self.prefetch_distance])
+        self._gather(self._neighbour(index, self.prefetch_distance))
         if not self.order and len(self._seen) == len(self.weights):
             self.order = list(self._seen)
+            self._position = {index: position for position, index in enumerate(self.order)}
 
     # ----------------------------------------------------------------------------------------------- backward
 
     def _before_backward(self, index: int, _grad) -> None:
+        if self._neighbour(index, 1) is None:  # the backward's first layer: prefetch as the forward does
+            for behind in range(1, self.prefetch_distance):
+                self._gather(self._neighbour(index, -behind))
         self._wait_gathered(index)
-        sequence = self._sequence()
-        position = sequence.index(index)
-        if position > 0:  # the layer whose backward runs next
-            self._gather(sequence[position - 1])
 
     def _gradient_ready(self, index: int, full: torch.Tensor) -> None:
         weight = self.weights[index]
-        grad = torch.zeros(weight.buffer.numel(), dtype=torch.float32, device=full.device)
-        grad[: weight.numel] = full.grad.reshape(-1)
+        grad = full.grad.reshape(-1).to(torch.float32)
         full.grad = None
         weight.free()
+        if self.record_events:
+            self.events.append(("backward_done", index))
+        self._gather(self._neighbour(index, -self.prefetch_distance))  # before the reduction, in the queue
+        if self.world == 1:
+            self._reductions.append((None, grad, weight.shard))
+            return
+        padding = weight.buffer.numel() - weight.numel
+        if padding:
+            grad = torch.nn.functional.pad(grad, (0, padding))
         out = torch.empty(weight.shard_numel, dtype=torch.float32, device=full.device)
         work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
         self._bytes["bytes_reduce_scattered"] += (self.world - 1) * weight.shard_numel * 4
         self._reductions.append((work, out, weight.shard))
 
-    def _replicated_gradient_ready(self, param: nn.Parameter) -> None:
-        work = dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, async_op=True)
-        self._bytes["bytes_all_reduced"] += 2 * (self.world - 1) / self.world * param.grad.nbytes
-        self._reductions.append((work, param.grad, param))
+    def _average_replicated_gradients(self) -> None:
+        """One all-reduce of every replicated gradient (norms: a few KiB each), averaged in place."""
+        grads = [p.grad for p in self.replicated if p.grad is not None]
+        if self.world == 1 or not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat.div_(self.world)
+        for grad, averaged in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(averaged.view_as(grad))
+        self._bytes["bytes_all_reduced"] += 2 * (self.world - 1) / self.world * flat.nbytes
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the gradients' reductions; then every shard and replicated parameter holds the average over
         ranks of its gradient (float32 for the shards)."""
         start = time.perf_counter()
+        for weight in self.weights:  # a prefetched layer whose backward did not run must not stay gathered
+            if weight.gather_work is not None:
+                weight.gather_work.wait()
+                weight.gather_work = None
+            weight.free()
+        self._average_replicated_gradients()
         for work, reduced, param in self._reductions:
-            work.wait()
-            reduced.div_(self.world)
-            if reduced is param.grad:
-                continue
+            if work is not None:
+                work.wait()
+                reduced.div_(self.world)
             param.grad = reduced if param.grad is None else param.grad + reduced
         self._reductions.clear()
         if self.measure_communication:
