@@ -276,6 +276,10 @@ def test_gather_exposure_per_forward_layer_and_over_the_step():
     assert summary["worst_exposed_ms"] == pytest.approx(0.5)
     assert summary["forward_exposed_ms"] == pytest.approx(0.6)
     assert summary["step_exposed_ms"] == pytest.approx(1.1) and summary["step_ms"] == 7.0
+    # a synchronous all-reduce runs on the compute stream (torch puts it on the current stream): still compute's
+    kernels.loc[len(kernels)] = ("all_reduce", 7.0, 7.2, None, 7)
+    with_sync, synced = analysis.gather_exposure(kernels)
+    assert with_sync.equals(layers) and synced["step_exposed_ms"] == pytest.approx(1.1)
     _, none = analysis.gather_exposure(kernels.assign(layer=None))  # no layer annotations: the step only
     assert none["layers"] == 0 and none["worst_layer"] is None and none["step_exposed_ms"] == pytest.approx(1.1)
 

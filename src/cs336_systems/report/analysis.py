@@ -389,16 +389,18 @@ def difference(a: Intervals, b: Intervals) -> Intervals:
 def gather_exposure(kernels: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Where a traced step's all-gathers were exposed (ran while no compute kernel ran), from its kernels
     (columns stream, kind, start_ms, end_ms, layer: fsdp_benchmarking's timeline rows of one variant). Compute
-    kernels are those on the streams without NCCL kernels: a copy on a communication stream (FSDP2's copy-in
-    before its all-gather) is part of the communication, not computation it could hide behind.
+    kernels are the compute kernels and copies on the streams that run compute kernels: a copy on a communication
+    stream (FSDP2's copy-in before its all-gather) is part of the communication, not computation it could hide
+    behind, while a collective on the compute stream (a synchronous one: torch runs it on the current stream)
+    does not make that stream a communication stream.
 
     Per Transformer layer of the forward (the compute kernels its forward launched): its window, from the end of
     the previous layer's last kernel (the step's start for the first) to the end of its own, the exposed
     all-gather time in it, and `in_time` (less than IN_TIME_MS exposed). The summary: the exposed time in the
     forward layers and in the whole step, the step's span, the worst layer and the exposed intervals."""
     spans = lambda rows: list(zip(rows["start_ms"], rows["end_ms"], strict=True))
-    communication_streams = set(kernels.loc[~kernels["kind"].isin(COMPUTE_KINDS), "stream"])
-    compute = kernels[kernels["kind"].isin(COMPUTE_KINDS) & ~kernels["stream"].isin(communication_streams)]
+    compute_streams = set(kernels.loc[kernels["kind"] == "compute", "stream"])
+    compute = kernels[kernels["kind"].isin(COMPUTE_KINDS) & kernels["stream"].isin(compute_streams)]
     exposed = difference(spans(kernels[kernels["kind"] == "all_gather"]), spans(compute))
     layered = compute.dropna(subset=["layer"])
     ends = layered.groupby(layered["layer"].astype(int))["end_ms"].max().sort_index()
