@@ -22,15 +22,18 @@ DDP_REPORT = dict(caption="report/ddp.rst", category="Results",
                   subcategory="2.2–2.3 Distributed data parallel training")
 
 
-def launched(nproc, backend, csv, also=None):
-    """The params of a job of `nproc` processes on `backend` (values, or functions of the wildcards) whose table is
-    `csv`: its `gpus` are what pin_gpus must hold (the `gpu` resource says the same, but Snakemake lowers it to the
-    profile's limit, `--resources gpu=1`, and an NCCL job alone on a 2-GPU box should still get both); `gpus_ok`
-    reruns a result skipped for lack of them; `also` is another output that gets the launcher's skipped row (a
-    pattern of the same wildcards as `csv`)."""
-    gpus = lambda w: gpus_needed(setting_of(backend, w), int(setting_of(nproc, w)))
+def launched(nproc, backend, csv, also=None, nodes=1):
+    """The params of a job of `nproc` processes on `backend` over `nodes` nodes (values, or functions of the
+    wildcards) whose table is `csv`: `launcher`, the command that starts cs336_systems.launch (launcher()); `nproc`,
+    the processes per node; `gpus`, what pin_gpus must hold (the `gpu` resource says the same, but Snakemake
+    lowers it to the profile's limit, `--resources gpu=1`, and an NCCL job alone on a 2-GPU box should still get
+    both); `gpus_ok` reruns a result skipped for lack of them; `also` is another output that gets the launcher's
+    skipped row (a pattern of the same wildcards as `csv`)."""
+    per_node = lambda w: int(setting_of(nproc, w)) // int(setting_of(nodes, w))
+    gpus = lambda w: gpus_needed(setting_of(backend, w), per_node(w))
     return dict(
-        nproc=lambda w: int(setting_of(nproc, w)),
+        launcher=lambda w: launcher(int(setting_of(nodes, w)), gpus(w)),
+        nproc=per_node,
         backend=lambda w: setting_of(backend, w),
         gpus=gpus,
         gpus_ok=lambda w: gpus_ok(gpus(w), csv.format(**w)),
@@ -38,10 +41,24 @@ def launched(nproc, backend, csv, also=None):
     )
 
 
-def rank_threads(nproc):
-    """A CPU thread budget per rank (NEEDS["rank"].threads), for `nproc` ranks (a value or a function of the
-    wildcards)."""
-    return lambda w: int(setting_of(nproc, w)) * NEEDS["rank"].threads
+def launcher(nodes, gpus_per_node):
+    """cs336_systems.launch on this machine, or on each of `nodes` nodes of a SLURM job: one srun task per node
+    in a job step beside the one Snakemake's jobstep executor runs the rule in (--overlap), with the node's GPUs;
+    the launchers meet at the rendezvous cs336_systems.launch derives from the job's environment. Outside a SLURM
+    job the command stops at once, saying why."""
+    if nodes == 1:
+        return "python -m cs336_systems.launch"
+    gpus = f" --gpus-per-node={gpus_per_node}" if gpus_per_node else ""
+    return (f"{{ [ -n \"${{SLURM_JOB_ID:-}}\" ] || {{ echo 'a job on {nodes} nodes runs in a SLURM job "
+            f"(snakemake --profile profiles/slurm)' >&2; exit 1; }}; }}; "
+            f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --overlap --kill-on-bad-exit=1{gpus} "
+            f"python -m cs336_systems.launch --nnodes {nodes}")
+
+
+def rank_threads(nproc, nodes=1):
+    """A CPU thread budget per rank (NEEDS["rank"].threads), for the ranks of one node of `nproc` ranks over
+    `nodes` nodes (each a value or a function of the wildcards)."""
+    return lambda w: int(setting_of(nproc, w)) // int(setting_of(nodes, w)) * NEEDS["rank"].threads
 
 
 # The launch pattern: no output of its own, so it never matches a target. A rule derived from it gives its outputs
@@ -52,7 +69,7 @@ rule launch_ranks:
         ENV
     shell:
         "pin_gpus {params.gpus}; "
-        "python -m cs336_systems.launch --nproc {params.nproc} --backend {params.backend} --out {output.csv} "
+        "{params.launcher} --nproc {params.nproc} --backend {params.backend} --out {output.csv} "
         "{params.also} -- {params.cli} 2> {log}"
 
 

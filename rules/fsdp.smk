@@ -7,9 +7,18 @@ FSDP = R["fsdp"]
 FSDP_JOBS = {job["world_size"]: job for job in FSDP["jobs"]}
 if len(FSDP_JOBS) < len(FSDP["jobs"]):
     raise WorkflowError(f"config.yaml: runs.{RUN}.fsdp.jobs: one job per world size")
+# A job may span `nodes` nodes (default 1; world_size / nodes ranks on each) of a SLURM job (profiles/slurm).
+FSDP_NODES = {n: job.get("nodes", 1) for n, job in FSDP_JOBS.items()}
+for n, nodes in FSDP_NODES.items():
+    if n % nodes:
+        raise WorkflowError(f"config.yaml: runs.{RUN}.fsdp.jobs: world_size {n} is not a multiple of nodes {nodes}")
 FSDP_CSV = f"{RESULTS}/fsdp/n{{world_size}}.csv"
 FSDP_TIMELINE_CSV = f"{RESULTS}/fsdp_timeline/n{{world_size}}.csv"
 FSDP_REPORT = dict(caption="report/fsdp.rst", category="Results", subcategory="7 Fully-sharded data parallel")
+
+
+def fsdp_nodes(wildcards):
+    return FSDP_NODES[int(wildcards.world_size)]
 
 
 def fsdp_cli(wildcards):
@@ -39,11 +48,11 @@ use rule launch_ranks as fsdp_benchmark with:
         world_size="|".join(str(n) for n in FSDP_JOBS),
     params:
         model=model_dims(FSDP["size"]),
-        **launched(lambda w: w.world_size, DIST_BACKEND, FSDP_CSV, also=FSDP_TIMELINE_CSV),
+        **launched(lambda w: w.world_size, DIST_BACKEND, FSDP_CSV, also=FSDP_TIMELINE_CSV, nodes=fsdp_nodes),
         cli=fsdp_cli,
-    threads: rank_threads(lambda w: w.world_size)
+    threads: rank_threads(lambda w: w.world_size, fsdp_nodes)
     resources:
-        **ranks(lambda w: w.world_size, DIST_BACKEND),
+        **ranks(lambda w: w.world_size, DIST_BACKEND, fsdp_nodes),
     log:
         f"{RESULTS}/logs/fsdp/n{{world_size}}.log",
 

@@ -84,12 +84,18 @@ def setting_of(setting, wildcards):
     return setting(wildcards) if callable(setting) else setting
 
 
-def ranks(nproc, backend):
-    """The resources of a job of `nproc` processes on `backend`, each a value or a function of the wildcards:
-    `resources: **ranks(2, "nccl")`. One GPU per rank with NCCL, none with gloo (ranks on CPUs); NEEDS["rank"]
-    memory per rank."""
+def ranks(nproc, backend, nodes=1):
+    """The resources of a job of `nproc` processes on `backend` over `nodes` nodes, each a value or a function of
+    the wildcards: `resources: **ranks(2, "nccl")`. One GPU per rank with NCCL, none with gloo (ranks on CPUs);
+    NEEDS["rank"] memory per rank of a node. On several nodes (SLURM) the GPUs are asked per node (`gres`, sbatch
+    --gres), not as the job's total (`gpu`, --gpus, which SLURM may spread unevenly over the nodes)."""
+    count = lambda w: int(setting_of(nodes, w))
+    per_node = lambda w: int(setting_of(nproc, w)) // count(w)
+    gpus = lambda w: gpus_needed(setting_of(backend, w), per_node(w))
     return dict(
-        gpu=lambda w: gpus_needed(setting_of(backend, w), int(setting_of(nproc, w))),
-        mem_mb=lambda w: int(setting_of(nproc, w)) * NEEDS["rank"].mem_mb,
+        gpu=lambda w: gpus(w) if count(w) == 1 else 0,
+        nodes=count,
+        gres=lambda w: f"gpu:{gpus(w)}" if count(w) > 1 and gpus(w) else "",
+        mem_mb=lambda w: per_node(w) * NEEDS["rank"].mem_mb,
         runtime=NEEDS["rank"].runtime,
     )

@@ -14,6 +14,7 @@ writeup); the GPU run's jobs are only submitted (the stand-in fails them) to che
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import re
@@ -95,9 +96,15 @@ elif command == "scancel":
     for job in jobs():
         if job["id"] in args:
             set_state({**job, "state": "CANCELLED"})
-elif command == "srun":  # srun [options] COMMAND...: run COMMAND here
+elif command == "srun":  # srun [options] COMMAND...: run COMMAND here, once per task (--ntasks), as on nodes
     argv = args[next(i for i, arg in enumerate(args) if not arg.startswith("-")):]
-    os.execvp(argv[0], argv)
+    tasks = int(option("--ntasks", option("-n", "1")))
+    os.environ["SLURM_JOB_NODELIST"] = "localhost"  # a step's tasks see the job's nodes (the jobstep plugin drops it)
+    if tasks == 1:
+        os.execvp(argv[0], argv)
+    started = [subprocess.Popen(argv, env=dict(os.environ, SLURM_NODEID=str(i), SLURM_PROCID=str(i)))
+               for i in range(tasks)]
+    sys.exit(max(task.wait() for task in started))
 elif command == "sinfo":
     print("PARTITION\ncpu*\ngpu")
 elif command == "sacctmgr":
@@ -281,3 +288,36 @@ def test_gpu_run_requests_the_gpus_each_rule_needs(cluster):
         "naive_ddp_check": "2",
     }
     assert not list((workdir / "results/gpu").rglob("*.csv"))
+
+
+def test_fsdp_on_two_nodes_runs_one_launcher_per_node(cluster):
+    """An FSDP job of world size 2 on 2 nodes: sbatch asks for the nodes, and an srun task per node starts a
+    launcher; the two meet at the rendezvous derived from the job and train as one job of two ranks."""
+    workdir, _, _, state = cluster
+    (state / "calls.jsonl").unlink(missing_ok=True)
+    (workdir / "two_nodes.yaml").write_text(
+        "runs:\n  cpu:\n    fsdp:\n      jobs: [{world_size: 2, nodes: 2, variants: [ours, single]}]\n"
+    )
+    target = "results/cpu/fsdp/n2.csv"
+    (workdir / target).unlink()
+    args = [target, "--config", "run=cpu", "--configfile", "two_nodes.yaml"]
+    planned = plan(cluster, *args)
+    assert set(planned) == {("fsdp_benchmark", "2")}
+    needs = planned[("fsdp_benchmark", "2")]
+    assert (needs["nodes"], needs["gpu"], needs["threads"]) == ("2", "0", "1"), needs
+
+    result = run_profile(cluster, *args)
+    assert result.returncode == 0, result.stderr[-5000:]
+    sbatch = submissions(state)[("fsdp_benchmark", "2")]
+    assert "--nodes=2" in sbatch and not any(arg.startswith("--gpus") for arg in sbatch), sbatch
+    calls = [json.loads(line) for line in (state / "calls.jsonl").read_text().splitlines()]
+    per_node = [call["args"] for call in calls if call["command"] == "srun" and "--ntasks-per-node=1" in call["args"]]
+    assert len(per_node) == 1 and "--nodes=2" in per_node[0] and "--nnodes" in per_node[0], per_node
+    rows = list(csv.DictReader((workdir / target).open()))
+    assert {(row["variant"], row["world_size"], row["status"]) for row in rows} >= {("ours", "2", "ok")}, rows
+    # the configuration refuses what it cannot run, before any job
+    (workdir / "three.yaml").write_text("runs:\n  cpu:\n    fsdp:\n      jobs: [{world_size: 3, nodes: 2, "
+                                        "variants: [ours]}]\n")
+    bad = run_profile(cluster, "-n", target, "--config", "run=cpu", "--configfile", "three.yaml")
+    said = bad.stdout + bad.stderr
+    assert bad.returncode != 0 and "world_size 3 is not a multiple of nodes 2" in said, said[-2000:]
