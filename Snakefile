@@ -18,6 +18,7 @@ include: "rules/fsdp.smk"
 include: "rules/residuals.smk"
 include: "rules/checkpointing.smk"
 include: "rules/parallelism.smk"
+include: "rules/train_step.smk"
 include: "rules/report.smk"
 
 

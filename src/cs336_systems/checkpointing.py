@@ -6,8 +6,8 @@ Policies (`ModelConfig.checkpoint`), all on `torch.utils.checkpoint.checkpoint(.
              forward is run again in backward
   nested     recursive: the block list split in halves, each half checkpointed, each half's halves inside it
              checkpointed, down to single blocks: O(log N) checkpoints held at once, O(N log N) forward compute
-  selective  one checkpoint per block whose matmul outputs (and attention's) are kept: only norms, activations
-             and elementwise ops are recomputed (`create_selective_checkpoint_contexts`)
+  selective  one checkpoint per block whose matmul outputs (and attention's: SDPA's or our FlashAttention's) are
+             kept: only norms, activations and elementwise ops are recomputed (`create_selective_checkpoint_contexts`)
   selective:attention
              one checkpoint per block that keeps only attention's outputs: everything else, matmuls included, is
              recomputed; a block then holds about one more block input, and backward does not rerun attention
@@ -35,6 +35,9 @@ ATTENTION_OPS = {
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+# Our FlashAttention's forward (a custom op, cs336_systems.flash_attention), by name: naming the op itself would
+# import Triton here.
+FLASH_OP = "cs336::flash_attention_forward"
 # What each selective policy keeps; every other op of the block is recomputed in backward.
 SELECTIVE = {"selective": MATMUL_OPS | ATTENTION_OPS, "selective:attention": ATTENTION_OPS}
 
@@ -78,8 +81,13 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: str) -> tor
     if kind == "nested":
         return _nested(blocks, x)
     for block in blocks:
-        x = checkpoint(block, x, use_reentrant=False, context_fn=_SELECTIVE_CONTEXTS[policy])
+        x = checkpoint_selectively(block, x, policy)
     return x
+
+
+def checkpoint_selectively(block: nn.Module, x: torch.Tensor, policy: str) -> torch.Tensor:
+    """`block(x)` under one of the SELECTIVE policies (a function torch.compile can trace whole)."""
+    return checkpoint(block, x, use_reentrant=False, context_fn=_SELECTIVE_CONTEXTS[policy])
 
 
 def _sequence(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +106,7 @@ def _nested(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 def _keep(kept: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in kept:
+    if op in kept or op.name() == FLASH_OP:  # every selective policy keeps attention's outputs
         seen = _cached_output_seen.get()
         if seen is not None:
             if not hasattr(ctx, "op_output"):

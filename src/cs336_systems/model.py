@@ -181,13 +181,18 @@ class TransformerLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) int64 -> logits (batch, seq, vocab)."""
+        return self.lm_head(self.hidden(tokens))
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) int64 -> the final normalised hidden states (batch, seq, d_model), which the LM head
+        turns into logits (a fused head + loss takes them instead: cs336_systems.fused_cross_entropy)."""
         if tokens.shape[-1] > self.cfg.context_length:
             raise ValueError(
                 f"sequence length {tokens.shape[-1]} exceeds context_length {self.cfg.context_length}"
             )
         x = self.embedding(tokens)
         x = checkpointing.run_blocks(self.blocks, x, self.cfg.checkpoint)
-        return self.lm_head(self.final_norm(x))
+        return self.final_norm(x)
 
     def describe(self) -> dict:
         return {**asdict(self.cfg), "num_parameters": sum(p.numel() for p in self.parameters())}

@@ -26,6 +26,7 @@ SECTIONS = [
     ("3 Optimizer state sharding", "sharding"),
     ("7 Fully-sharded data parallel (2026 §7)", "fsdp"),
     ("8 Parallelism analysis (2026 §8)", "parallelism"),
+    ("9 The leaderboard's training step (2026 §9)", "train_step"),
 ]
 
 

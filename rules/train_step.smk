@@ -1,0 +1,47 @@
+# 2026 §9: the leaderboard's training step, one job per stack of the run's `train_step` (the plain model, the
+# PyTorch-native stack, ours and ours with one PyTorch piece put back), each at every depth listed, with the
+# per-layer fit and its extrapolation to the leaderboard's 34 layers.
+TRAIN_STEP = R["train_step"]
+TRAIN_STEP_CSV = f"{RESULTS}/train_step/{{stack}}.csv"
+
+
+def train_step_options():
+    """The CLI flags of the run's settings that differ by device (do_bench's times on CUDA, steps elsewhere)."""
+    flags = [f"--{key.replace('_', '-')} {TRAIN_STEP[key]}" for key in ("warmup_ms", "rep_ms", "steps")
+             if key in TRAIN_STEP]
+    return " ".join(flags + ([] if TRAIN_STEP["compile"] else ["--no-compile"]))
+
+
+rule train_step:
+    input:
+        code("experiments/train_step_benchmark.py", "train_step_benchmarking.py", "fused_cross_entropy.py",
+             "flash_attention.py", "flash_triton.py", "triton_interpreter.py", "checkpointing.py", "model.py"),
+    output:
+        csv=report(TRAIN_STEP_CSV, caption="report/train_step.rst", category="Results",
+                   subcategory="9 The leaderboard's training step"),
+        json=f"{RESULTS}/train_step/{{stack}}.json",
+    wildcard_constraints:
+        stack="|".join(TRAIN_STEP["stacks"]),
+    params:
+        dims=" ".join(f"--{key.replace('_', '-')} {TRAIN_STEP[key]}"
+                      for key in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length", "batch_size")),
+        num_layers=listed(TRAIN_STEP["num_layers"]),
+        dtype=TRAIN_STEP["dtype"],
+        options=train_step_options(),
+        device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, TRAIN_STEP_CSV.format(**w)),
+    threads: NEEDS["heavy"].threads
+    resources:
+        **job("heavy", gpu=GPU_JOB),
+    log:
+        f"{RESULTS}/logs/train_step/{{stack}}.log",
+    conda:
+        ENV
+    shell:
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.train_step_benchmark {params.dims} --num-layers {params.num_layers} "
+        "--stacks {wildcards.stack} --dtype {params.dtype} {params.options} --device {params.device} "
+        "--out {output.csv} 2> {log}"
+
+
+WRITEUP_INPUTS += expand(TRAIN_STEP_CSV, stack=TRAIN_STEP["stacks"])

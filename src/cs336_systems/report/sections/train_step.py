@@ -1,0 +1,132 @@
+"""2026 §9: the leaderboard's training step by stack and depth, the per-layer fit and its extrapolation to 34
+layers, what each of our pieces is worth, and the one-GPU goals."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from cs336_systems.report.context import Context
+from cs336_systems.report.formatting import provenance_line, text_md
+
+LABEL = {
+    "plain": "plain TransformerLM (the spec's naive baseline)",
+    "native": "PyTorch-native stack",
+    "ours": "ours",
+    "ours_sdpa": "ours with SDPA's attention",
+    "ours_chunked_head": "ours with PyTorch's chunked head",
+    "ours_no_checkpoint": "ours without checkpointing",
+}
+HEAD = {"eager": "logits, then cross_entropy", "chunked": "chunks, logits recomputed (PyTorch)",
+        "fused": "fused Triton head + loss (ours)"}
+# One-GPU goals of the issue: our step extrapolated to the leaderboard's depth, and per layer against the native
+# stack measured in the same run.
+GOAL_STEP_S = 4.2
+
+
+def render(ctx: Context) -> str:
+    found = ctx.table_or_reason("train_step", "The leaderboard's training step")
+    if isinstance(found, str):
+        return found
+    frame, metas = found
+    p = metas[0]["params"]
+    cells, fits = frame[frame["kind"] == "cell"], frame[frame["kind"] == "fit"].set_index("stack")
+    stacks = list(dict.fromkeys(cells["stack"]))
+    on_cuda = bool(cells["peak_mib"].notna().any())
+    timing = (f"`triton.testing.do_bench` median over {p.get('rep_ms')} ms after {p.get('warmup_ms')} ms of warm-up"
+              if on_cuda else f"median of {p.get('steps')} timed steps")
+    out = [
+        provenance_line(metas),
+        f"Model: d_model {p['d_model']}, d_ff {p['d_ff']}, {p['num_heads']} heads, vocabulary {p['vocab_size']:,}, "
+        f"context {p['context_length']:,}; {p['batch_size']} sequence(s) per step, weights, gradients and AdamW "
+        f"state in {p['dtype']}. Each cell builds a fresh model and times the spec's whole step "
+        "(`zero_grad(set_to_none=True)`, forward, summed cross-entropy, backward, `optimizer.step()`): "
+        f"{timing}. Peak: `torch.cuda.max_memory_allocated` over the cell. MFU counts model FLOPs only, "
+        "6·T·(L·(4d² + 3·d·d_ff) + d·V) + L·6·T²·d per sequence, over the GPU's dense bf16 peak.",
+        "",
+        text_md(stack_table(cells, stacks)),
+        "",
+        text_md(cell_table(cells, stacks)),
+        "",
+    ]
+    if len(fits):
+        out += [
+            "**Extrapolation to the leaderboard's depth** (not a measurement): per stack, per-layer time = the "
+            "least-squares slope of step time over the depths measured, and step(L) = intercept + slope × L at "
+            f"L = {int(fits['num_layers'].iloc[0])}.",
+            "",
+            text_md(fit_table(fits, stacks)),
+            "",
+            worth_sentences(fits),
+            "",
+            goal_text(fits),
+        ]
+    return "\n".join(part for part in out if part is not None)
+
+
+def stack_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
+    first = cells.drop_duplicates("stack").set_index("stack").loc[stacks]
+    return pd.DataFrame({
+        "stack": [LABEL.get(s, s) for s in stacks],
+        "attention": first["attention"].tolist(),
+        "LM head + loss": [HEAD.get(h, h) for h in first["head"]],
+        "checkpointing": first["checkpoint"].tolist(),
+        "blocks compiled": ["yes" if str(c) == "True" else "no" for c in first["compiled"]],
+    })
+
+
+def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
+    rows = []
+    for stack in stacks:
+        for _, c in cells[cells["stack"] == stack].sort_values("num_layers").iterrows():
+            ok = c["status"] == "ok"
+            rows.append({
+                "stack": LABEL.get(stack, stack), "layers": str(int(c["num_layers"])),
+                "step (ms)": f"{c['step_ms']:,.1f}" if ok else c["status"],
+                "peak (GiB)": f"{c['peak_mib'] / 1024:,.1f}" if ok and pd.notna(c["peak_mib"]) else "—",
+                "MFU": f"{c['mfu']:.1%}" if ok and pd.notna(c["mfu"]) else "—",
+            })
+    return pd.DataFrame(rows)
+
+
+def fit_table(fits: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
+    shown = [s for s in stacks if s in fits.index]
+    return pd.DataFrame({
+        "stack": [LABEL.get(s, s) for s in shown],
+        "per layer (ms)": [f"{fits.loc[s, 'per_layer_ms']:,.1f}" for s in shown],
+        "intercept (ms)": [f"{fits.loc[s, 'intercept_ms']:,.1f}" for s in shown],
+        f"step at {int(fits['num_layers'].iloc[0])} layers (s, extrapolated)":
+            [f"{fits.loc[s, 'step_ms'] / 1e3:.2f}" for s in shown],
+        "MFU (extrapolated)": [f"{fits.loc[s, 'mfu']:.1%}" if pd.notna(fits.loc[s, "mfu"]) else "—" for s in shown],
+        "fitted on": [fits.loc[s, "reason"].rsplit("depths ", 1)[-1] for s in shown],
+    })
+
+
+def worth_sentences(fits: pd.DataFrame) -> str:
+    """What each of our pieces is worth per layer: ours against ours with that piece replaced by PyTorch's."""
+    if "ours" not in fits.index:
+        return ""
+    ours = fits.loc["ours", "per_layer_ms"]
+    parts = []
+    for variant, piece in (("ours_sdpa", "our FlashAttention (against SDPA)"),
+                           ("ours_chunked_head", "our fused head + loss (against the chunked PyTorch head)"),
+                           ("ours_no_checkpoint", "selective checkpointing (against none)")):
+        if variant in fits.index:
+            other = fits.loc[variant, "per_layer_ms"]
+            verb = "saves" if ours < other else "costs"
+            parts.append(f"{piece} {verb} {abs(other - ours):.1f} ms per layer ({ours:.1f} against {other:.1f})")
+    return ("Per layer, " + "; ".join(parts) + ".") if parts else ""
+
+
+def goal_text(fits: pd.DataFrame) -> str:
+    if "ours" not in fits.index:
+        return ""
+    ours = fits.loc["ours"]
+    rows = [("34-layer step, one sequence (extrapolated)", f"{ours['step_ms'] / 1e3:.2f} s", f"≤ {GOAL_STEP_S} s",
+             "pass" if ours["step_ms"] / 1e3 <= GOAL_STEP_S else "FAIL")]
+    if "native" in fits.index:
+        native = fits.loc["native", "per_layer_ms"]
+        rows.insert(0, ("per-layer time ≤ the native stack's (same run)", f"{ours['per_layer_ms']:.1f} ms",
+                        f"{native:.1f} ms", "pass" if ours["per_layer_ms"] <= native else "FAIL"))
+    table = pd.DataFrame(rows, columns=["goal (one GPU)", "ours", "bound", "result"])
+    met = (table["result"] == "pass").sum()
+    return f"{text_md(table)}\n\nOurs meets {met} of the {len(table)} one-GPU goals."

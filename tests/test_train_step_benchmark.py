@@ -1,0 +1,110 @@
+"""The leaderboard's training step (cs336_systems.train_step_benchmarking): every stack trains the same model to
+the same result as the plain one, and the CLI writes its cells and the per-layer fit. On the CPU in float32, with
+our Triton kernels in the interpreter (set before anything imports triton; a fresh process where it came too
+late, as in tests/test_fused_cross_entropy.py)."""
+
+import os
+import sys
+
+TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"
+
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cs336_systems.experiments import train_step_benchmark  # noqa: E402
+from cs336_systems.train_step_benchmarking import STACKS, TrainStep, model_flops  # noqa: E402
+
+launches_kernels = pytest.mark.skipif(
+    TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
+)
+# Odd vocabulary and context, d_head 16 (our FlashAttention's smallest).
+DIMS = {"d_model": 64, "d_ff": 96, "num_layers": 2, "num_heads": 4, "vocab_size": 97, "context_length": 19}
+
+
+def one_step(stack: str) -> tuple[float, dict, dict]:
+    """Loss, gradients and updated weights of one step from the same weights and batch (batch 2, float32)."""
+    train = TrainStep(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=False,
+                      head_chunk=16)
+    train.optimizer.zero_grad(set_to_none=True)
+    loss = train.loss()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in train.model.named_parameters()}
+    train.optimizer.step()
+    return loss.item(), grads, {n: p.detach().clone() for n, p in train.model.named_parameters()}
+
+
+@launches_kernels
+@pytest.mark.parametrize("stack", [s for s in STACKS if s != "plain"])
+def test_every_stack_trains_as_the_plain_model(stack: str):
+    loss, grads, weights = one_step("plain")
+    their_loss, their_grads, their_weights = one_step(stack)
+    # float32 throughout; what differs is the order of the sums (flash's online softmax, chunked and fused heads,
+    # recomputed activations), so the results agree to float32 rounding, not bitwise.
+    assert their_loss == pytest.approx(loss, rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(their_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(their_weights[name], weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@launches_kernels
+@pytest.mark.parametrize("stack", ["native", "ours"])
+def test_compiled_checkpointed_blocks_compute_what_eager_ones_do(stack: str):
+    """torch.compile traces each block with its selective checkpoint (`_CheckpointedBlock`)."""
+    steps = [TrainStep(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=compiled,
+                       head_chunk=16) for compiled in (True, False)]
+    losses = []
+    for train in steps:
+        losses.append(train.loss())
+        losses[-1].backward()
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-6)
+    for (name, p), q in zip(steps[1].model.named_parameters(), steps[0].model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_model_flops_is_the_handouts_formula():
+    dims = {"d_model": 4096, "d_ff": 11_008, "vocab_size": 151_936}
+    per_layer = 6 * 32_768 * (4 * 4096**2 + 3 * 4096 * 11_008) + 6 * 32_768**2 * 4096
+    head = 6 * 32_768 * 4096 * 151_936
+    assert model_flops(dims, 34, 32_768, 1) == 34 * per_layer + head
+    assert model_flops(dims, 34, 32_768, 1) == pytest.approx(2.37e15, rel=5e-3)  # the issue's 2.37 PFLOP
+    assert model_flops(dims, 2, 32_768, 2) == 2 * model_flops(dims, 2, 32_768, 1)
+
+
+@launches_kernels
+def test_cli_writes_cells_and_the_per_layer_fit(tmp_path: Path):
+    out = tmp_path / "steps.csv"
+    train_step_benchmark.main([
+        "--out", str(out), "--d-model", "32", "--d-ff", "48", "--num-heads", "2", "--vocab-size", "61",
+        "--context-length", "16", "--num-layers", "1", "2", "--batch-size", "2", "--stacks", "plain", "ours",
+        "--dtype", "float32", "--no-compile", "--steps", "1", "--extrapolate-layers", "34",
+    ])
+    rows = pd.read_csv(out)
+    cells, fits = rows[rows["kind"] == "cell"], rows[rows["kind"] == "fit"].set_index("stack")
+    assert len(cells) == 4 and (cells["status"] == "ok").all() and (cells["step_ms"] > 0).all()
+    for stack, ran in cells.groupby("stack"):
+        two, one = ran.set_index("num_layers")["step_ms"].loc[[2, 1]]
+        assert fits.loc[stack, "per_layer_ms"] == pytest.approx(two - one)
+        assert fits.loc[stack, "step_ms"] == pytest.approx(one + 33 * (two - one))
+        assert fits.loc[stack, "status"] == "extrapolated" and "34 layers" in fits.loc[stack, "reason"]
+
+
+def test_bad_dimensions_are_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture):
+    with pytest.raises(SystemExit):
+        train_step_benchmark.main(["--out", str(tmp_path / "x.csv"), "--d-model", "30", "--num-heads", "4",
+                                   "--num-layers", "1"])
+    assert "--d-model 30 must split into --num-heads 4 heads" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the kernel tests ran in this process")
+def test_kernel_tests_in_fresh_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not fresh_process"],
+        env=env, capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
