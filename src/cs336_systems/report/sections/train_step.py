@@ -56,7 +56,7 @@ def render(ctx: Context) -> str:
             "",
             text_md(fit_table(fits, stacks)),
             "",
-            worth_sentences(fits),
+            worth_sentences(fits, cells),
             "",
             goal_text(fits),
         ]
@@ -101,20 +101,36 @@ def fit_table(fits: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
     })
 
 
-def worth_sentences(fits: pd.DataFrame) -> str:
-    """What each of our pieces is worth per layer: ours against ours with that piece replaced by PyTorch's."""
-    if "ours" not in fits.index:
-        return ""
-    ours = fits.loc["ours", "per_layer_ms"]
+def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame) -> str:
+    """What each of our pieces is worth: ours against ours with that piece replaced by PyTorch's, per layer (the
+    slope), per step outside the layers (the intercept: embedding, head and loss, optimizer) and in peak memory
+    at the largest depth measured; then the fastest stack."""
     parts = []
-    for variant, piece in (("ours_sdpa", "our FlashAttention (against SDPA)"),
-                           ("ours_chunked_head", "our fused head + loss (against the chunked PyTorch head)"),
-                           ("ours_no_checkpoint", "selective checkpointing (against none)")):
-        if variant in fits.index:
-            other = fits.loc[variant, "per_layer_ms"]
-            verb = "saves" if ours < other else "costs"
-            parts.append(f"{piece} {verb} {abs(other - ours):.1f} ms per layer ({ours:.1f} against {other:.1f})")
-    return ("Per layer, " + "; ".join(parts) + ".") if parts else ""
+    if "ours" in fits.index:
+        ours = fits.loc["ours"]
+        deepest = int(cells["num_layers"].max())
+        peak = cells[cells["num_layers"] == deepest].set_index("stack")["peak_mib"] / 1024
+        for variant, piece in (("ours_sdpa", "Our FlashAttention, against SDPA's"),
+                               ("ours_chunked_head", "Our fused head + loss, against PyTorch's chunked one"),
+                               ("ours_no_checkpoint", "Selective checkpointing, against none")):
+            if variant not in fits.index:
+                continue
+            other = fits.loc[variant]
+            text = (f"{piece}: {signed(ours['per_layer_ms'] - other['per_layer_ms'])} ms per layer and "
+                    f"{signed(ours['intercept_ms'] - other['intercept_ms'])} ms per step outside the layers, "
+                    f"{signed((ours['step_ms'] - other['step_ms']) / 1e3, '.2f')} s at {int(ours['num_layers'])} layers")
+            if pd.notna(peak.get("ours")) and pd.notna(peak.get(variant)):
+                text += f"; peak at {deepest} layers {signed(peak['ours'] - peak[variant], '.1f')} GiB"
+            parts.append(text + ".")
+    fastest = fits["step_ms"].idxmin()
+    parts.append(f"Fastest extrapolated step: {LABEL.get(fastest, fastest)}, {fits.loc[fastest, 'step_ms'] / 1e3:.2f} s "
+                 f"({fits.loc[fastest, 'mfu']:.1%} MFU)." if pd.notna(fits.loc[fastest, "mfu"]) else
+                 f"Fastest extrapolated step: {LABEL.get(fastest, fastest)}, {fits.loc[fastest, 'step_ms'] / 1e3:.2f} s.")
+    return "\n\n".join(parts)
+
+
+def signed(x: float, fmt: str = ".1f") -> str:
+    return f"{x:+{fmt}}".replace("-", "−")
 
 
 def goal_text(fits: pd.DataFrame) -> str:
