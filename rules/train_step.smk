@@ -12,10 +12,18 @@ def train_step_options():
     return " ".join(flags + ([] if TRAIN_STEP["compile"] else ["--no-compile"]))
 
 
+TRAIN_STEP_CODE = code("experiments/train_step_benchmark.py", "train_step_benchmarking.py", "fused_cross_entropy.py",
+                       "flash_attention.py", "flash_triton.py", "triton_interpreter.py", "checkpointing.py",
+                       "model.py", "profiling.py")
+TRAIN_STEP_DIMS = " ".join(f"--{key.replace('_', '-')} {TRAIN_STEP[key]}" for key in
+                           ("d_model", "d_ff", "num_heads", "vocab_size", "context_length", "batch_size"))
+COMPONENTS = TRAIN_STEP["components"]
+COMPONENTS_CSV = f"{RESULTS}/train_step_components/components.csv"
+
+
 rule train_step:
     input:
-        code("experiments/train_step_benchmark.py", "train_step_benchmarking.py", "fused_cross_entropy.py",
-             "flash_attention.py", "flash_triton.py", "triton_interpreter.py", "checkpointing.py", "model.py"),
+        TRAIN_STEP_CODE,
     output:
         csv=report(TRAIN_STEP_CSV, caption="report/train_step.rst", category="Results",
                    subcategory="9 The leaderboard's training step"),
@@ -23,8 +31,7 @@ rule train_step:
     wildcard_constraints:
         stack="|".join(TRAIN_STEP["stacks"]),
     params:
-        dims=" ".join(f"--{key.replace('_', '-')} {TRAIN_STEP[key]}"
-                      for key in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length", "batch_size")),
+        dims=TRAIN_STEP_DIMS,
         num_layers=listed(TRAIN_STEP["num_layers"]),
         dtype=TRAIN_STEP["dtype"],
         options=train_step_options(),
@@ -44,4 +51,35 @@ rule train_step:
         "--out {output.csv} 2> {log}"
 
 
-WRITEUP_INPUTS += expand(TRAIN_STEP_CSV, stack=TRAIN_STEP["stacks"])
+# Where the time of one step goes, by component (attention, matmuls, head + loss, optimizer, the rest): one
+# profiled step per stack at one depth.
+rule train_step_components:
+    input:
+        TRAIN_STEP_CODE,
+    output:
+        csv=report(COMPONENTS_CSV, caption="report/train_step.rst", category="Results",
+                   subcategory="9 The leaderboard's training step"),
+        json=f"{RESULTS}/train_step_components/components.json",
+    params:
+        dims=TRAIN_STEP_DIMS,
+        num_layers=COMPONENTS["num_layers"],
+        stacks=listed(COMPONENTS["stacks"]),
+        dtype=TRAIN_STEP["dtype"],
+        options=train_step_options(),
+        device=R["device"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, COMPONENTS_CSV),
+    threads: NEEDS["heavy"].threads
+    resources:
+        **job("heavy", gpu=GPU_JOB),
+    log:
+        f"{RESULTS}/logs/train_step/components.log",
+    conda:
+        ENV
+    shell:
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.train_step_benchmark {params.dims} --num-layers {params.num_layers} "
+        "--stacks {params.stacks} --dtype {params.dtype} {params.options} --components --device {params.device} "
+        "--out {output.csv} 2> {log}"
+
+
+WRITEUP_INPUTS += [*expand(TRAIN_STEP_CSV, stack=TRAIN_STEP["stacks"]), COMPONENTS_CSV]

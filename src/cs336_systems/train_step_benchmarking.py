@@ -19,6 +19,7 @@ MFU counts model FLOPs only (recomputation is not counted): per sequence of T to
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cs336_systems import checkpointing
 from cs336_systems.model import ModelConfig, TransformerLM
+from cs336_systems.profiling import MATMUL, profile_step
 
 # The leaderboard's model (handout §9): d_model, d_ff, layers, heads, vocabulary, context.
 LEADERBOARD = {"d_model": 4096, "d_ff": 11_008, "num_layers": 34, "num_heads": 32, "vocab_size": 151_936,
@@ -134,3 +136,30 @@ def peak_tflops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+# Where a kernel's time goes, by the first pattern its name matches (CUDA kernels; aten ops on the CPU):
+# attention (ours, cuDNN's, FlashAttention's), the loss's kernels, the optimizer's, matmuls, and the rest
+# (norms, activations, RoPE, casts: mostly torch.compile's fused kernels).
+COMPONENTS = (
+    ("attention", re.compile(r"flash|fmha|sdpa|attention", re.IGNORECASE)),
+    ("head + loss", re.compile(r"cross_entropy|softmax|nll_loss", re.IGNORECASE)),
+    ("optimizer", re.compile(r"multi_tensor|adam|_foreach_", re.IGNORECASE)),
+    ("matmul", MATMUL),
+)
+OTHER = "elementwise and other"
+
+
+def component_of(kernel: str) -> str:
+    return next((name for name, pattern in COMPONENTS if pattern.search(kernel)), OTHER)
+
+
+def component_times(train: TrainStep, device: torch.device) -> dict[str, float]:
+    """Milliseconds of one profiled step (after one untimed) per component (COMPONENTS), on the device's clock."""
+    rows = profile_step(train.step, warmup=1, steps=1, device=device)
+    times = dict.fromkeys([*(name for name, _ in COMPONENTS), OTHER], 0.0)
+    for row in rows:
+        if row.get("record") == "kernel":
+            times[component_of(row["name"])] += row["time_ms_per_step"]
+    return times
+

@@ -9,7 +9,9 @@ bf16; `--num-layers` sets the depths measured (the leaderboard has 34). Per (sta
 `--warmup-ms`, over `--rep-ms`; wall-clock median of `--steps` steps on the CPU), the allocator's peak, model
 TFLOP and MFU; an out-of-memory cell is an `OOM` row. Then per stack measured at two depths or more, a `fit` row:
 per-layer time = the least-squares slope of step time over depth, and the extrapolation to
-`--extrapolate-layers` layers = intercept + slope × layers, labelled as such.
+`--extrapolate-layers` layers = intercept + slope × layers, labelled as such. With `--components`, one more
+profiled step per cell gives `component` rows: its kernels' time by component (attention, head + loss,
+optimizer, matmul, the rest; train_step_benchmarking.COMPONENTS).
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ import torch
 from cs336_systems import cli
 from cs336_systems.benchmarking import or_oom, resolve_device, sync
 from cs336_systems.provenance import write_rows
-from cs336_systems.train_step_benchmarking import LEADERBOARD, STACKS, TrainStep, model_flops, peak_tflops
+from cs336_systems.train_step_benchmarking import (
+    LEADERBOARD,
+    STACKS,
+    TrainStep,
+    component_times,
+    model_flops,
+    peak_tflops,
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -45,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=cli.positive_int, default=5000, help="CUDA: do_bench measurement time")
     p.add_argument("--steps", type=cli.positive_int, default=3, help="CPU: timed steps (after one warm-up)")
     p.add_argument("--extrapolate-layers", type=cli.positive_int, default=LEADERBOARD["num_layers"])
+    p.add_argument("--components", action="store_true",
+                   help="also profile one step per cell: time per component (attention, matmul, ...) rows")
     cli.add_device(p)
     args = p.parse_args(argv)
     if args.d_model % args.num_heads or (args.d_model // args.num_heads) % 2:
@@ -78,7 +89,8 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
     step_ms = time_step(train, device, args)
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-    return {"step_ms": step_ms, "peak_mib": peak}
+    return {"step_ms": step_ms, "peak_mib": peak,
+            "components": component_times(train, device) if args.components else {}}
 
 
 def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, result) -> dict:
@@ -93,7 +105,7 @@ def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torc
            "status": "ok", "reason": ""}
     if result == "OOM":
         return row | {"status": "OOM", "reason": "out of memory"}
-    row |= result
+    row |= {key: value for key, value in result.items() if key != "components"}
     if peak is not None:
         row["mfu"] = flops / (result["step_ms"] / 1e3) / (peak * 1e12)
     return row
@@ -125,14 +137,18 @@ def main(argv: list[str] | None = None) -> None:
     device = resolve_device(args.device)
     if device.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernels import triton
-    cells = []
+    cells, parts = [], []
     for stack in args.stacks:
         for num_layers in args.num_layers:
             result = or_oom(lambda s=stack, n=num_layers: measure(s, n, args, device))
             cells.append(cell_row(stack, num_layers, args, device, result))
+            if result != "OOM":
+                parts += [{"kind": "component", "stack": stack, "num_layers": num_layers, "component": name,
+                           "component_ms": ms, "status": "ok"} for name, ms in result["components"].items()]
             shown = "OOM" if result == "OOM" else f"{result['step_ms']:.1f} ms, peak {result['peak_mib']:.0f} MiB"
             print(f"[train_step] {stack} x {num_layers} layers: {shown}", file=sys.stderr, flush=True)
-    write_rows(cells + fit_rows(cells, args.extrapolate_layers, peak_tflops(device)), args.out, cli.params(args))
+    fits = fit_rows(cells, args.extrapolate_layers, peak_tflops(device))
+    write_rows(cells + fits + parts, args.out, cli.params(args))
 
 
 if __name__ == "__main__":

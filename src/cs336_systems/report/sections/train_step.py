@@ -60,7 +60,44 @@ def render(ctx: Context) -> str:
             "",
             goal_text(fits),
         ]
+    out += ["", components_text(ctx)]
     return "\n".join(part for part in out if part is not None)
+
+
+def components_text(ctx: Context) -> str:
+    """Where one step's time goes by component, per stack, from the profiled step of train_step_components."""
+    found = ctx.table("train_step_components")
+    if found is None:
+        return ""
+    frame, metas = found
+    parts = frame[frame["kind"] == "component"]
+    if parts.empty:
+        return ""
+    layers = int(parts["num_layers"].iloc[0])
+    table = parts.pivot_table(index="component", columns="stack", values="component_ms", sort=False)
+    stacks = list(dict.fromkeys(parts["stack"]))
+    shown = pd.DataFrame({"component": table.index})
+    for stack in stacks:
+        shown[f"{LABEL.get(stack, stack)} (ms)"] = [f"{ms:,.1f}" for ms in table[stack]]
+    total = pd.DataFrame({"component": ["all kernels"],
+                          **{f"{LABEL.get(s, s)} (ms)": [f"{table[s].sum():,.1f}"] for s in stacks}})
+    text = [
+        provenance_line(metas),
+        "",
+        "**Where the time goes.** One profiled step (`torch.profiler`, after "
+        f"one untimed) per stack at {layers} layers, each kernel's device time put in the first component its name matches "
+        "(attention: ours, cuDNN's or FlashAttention's kernels; head + loss: the cross-entropy kernels, the head's "
+        "matmuls count as matmul; the rest: norms, activations, RoPE, casts, mostly torch.compile's fused kernels). "
+        "Profiling adds its own overhead; the step times above are the measurements.",
+        "",
+        text_md(pd.concat([shown, total], ignore_index=True)),
+    ]
+    if {"ours", "native"} <= set(stacks):
+        gap = table["ours"] - table["native"]
+        biggest = gap.abs().idxmax()
+        text += ["", f"Ours against the native stack: {'; '.join(f'{c} {signed(g)} ms' for c, g in gap.items())} per "
+                     f"step at {layers} layers; the largest difference is in {biggest}."]
+    return "\n".join(text)
 
 
 def stack_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
