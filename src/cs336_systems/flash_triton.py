@@ -44,7 +44,9 @@ def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     ]
 
 
-# Each kernel's causal split needs the smaller tile to divide the larger one (all sizes are powers of 2).
+# Each kernel's causal split needs the smaller tile to divide the larger one (all sizes are powers of 2), and the
+# tile it walks to be no larger than the tile it holds: K_TILE <= Q_TILE for the forward and dQ (key tiles inside
+# a query tile), Q_TILE <= K_TILE for dK/dV (an H100 run showed the other way reading out of bounds).
 # Interpreting, one small config keeps tests fast; its uneven tile pair still exercises multi-tile diagonals.
 if INTERPRET:
     _FWD = _configs([(32, 16, 4, 1)])
