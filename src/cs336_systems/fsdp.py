@@ -16,9 +16,8 @@ the shards; everything else (norms, biases) is replicated and its gradients are 
 whole and frozen; a weight shared by two layers (tied) is refused at construction.
 
 **Forward.** A layer's full weight exists only around its use: all-gathered (in `compute_dtype`: each rank
-casts its shard into its own chunk of the gathered buffer, and the all-gather runs in place; on CUDA both on a
-gather stream, so the prefetch does not wait for the compute stream) into a buffer whose storage is freed after
-the layer's forward. The gather of the layer at position i (in the order the layers ran
+casts its shard into its own chunk of the gathered buffer, and the all-gather runs in place) into a buffer whose
+storage is freed after the layer's forward. The gather of the layer at position i (in the order the layers ran
 in the first forward) starts once the layer at i - prefetch_distance has finished its forward, asynchronously,
 and is waited for right before the layer runs.
 
@@ -42,7 +41,6 @@ for the final synchronisation, and the bytes each rank received or sent.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import weakref
@@ -124,23 +122,18 @@ class _ShardedWeight:
     def gathered(self) -> bool:
         return self.buffer.untyped_storage().nbytes() > 0
 
-    def start_gather(self, stream: torch.cuda.Stream | None) -> bool:
-        """Refill the full weight from every rank's shard (cast to the compute dtype), asynchronously, on
-        `stream` (CUDA: the buffer's memory, the cast and the collective's launch; None: the current stream);
-        False if it is gathered already."""
+    def start_gather(self) -> bool:
+        """Refill the full weight from every rank's shard (cast to the compute dtype), asynchronously; False if
+        it is gathered already."""
         if self.gathered:
             return False
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
-            self.local.copy_(self.shard.detach())
-            if self.world > 1:
-                self.gather_work = all_gather_flat(self.buffer, self.local, async_op=True)
+        self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+        self.local.copy_(self.shard.detach())
+        if self.world > 1:
+            self.gather_work = all_gather_flat(self.buffer, self.local, async_op=True)
         return True
 
     def free(self) -> None:
-        if self.buffer.is_cuda and self.gathered:
-            # allocated on the gather stream, used on this one: not reused before this stream is done with it
-            self.buffer.record_stream(torch.cuda.current_stream(self.buffer.device))
         self.buffer.untyped_storage().resize_(0)
 
     def use_full_weight(self) -> None:
@@ -192,12 +185,7 @@ class FullyShardedDataParallel(nn.Module):
         self._position: dict[int, int] = {}  # index -> its position in self.order
         self._seen: list[int] = []
         self._reductions: list[tuple[dist.Work | None, torch.Tensor, nn.Parameter]] = []
-        device = self.weights[0].full.device if self.weights else torch.device("cpu")
-        self._stopwatch = _Stopwatch(device)
-        # CUDA: gathers (the cast included) run on a stream of their own, so a rank's prefetch does not wait for
-        # its compute stream to reach the cast; every forward starts it after the work queued so far (the
-        # optimizer's update of the shards).
-        self._gather_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._stopwatch = _Stopwatch(self.weights[0].full.device if self.weights else torch.device("cpu"))
         self.measure_communication = False
         self.last_step_stats: dict[str, float] = {}
         self._bytes = dict.fromkeys(("bytes_all_gathered", "bytes_reduce_scattered", "bytes_all_reduced"), 0.0)
@@ -215,8 +203,6 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._seen = []
-        if self._gather_stream is not None:
-            self._gather_stream.wait_stream(torch.cuda.current_stream(self._gather_stream.device))
         return self.module(*args, **kwargs)
 
     def _neighbour(self, index: int, offset: int) -> int | None:
@@ -230,7 +216,7 @@ class FullyShardedDataParallel(nn.Module):
         if index is None:
             return
         weight = self.weights[index]
-        if weight.start_gather(self._gather_stream):
+        if weight.start_gather():
             self._bytes["bytes_all_gathered"] += (self.world - 1) * weight.shard_numel * weight.buffer.element_size()
             if self.record_events:
                 self.events.append(("gather", index))
@@ -238,8 +224,6 @@ class FullyShardedDataParallel(nn.Module):
     def _wait_gathered(self, index: int) -> None:
         weight = self.weights[index]
         self._gather(index)
-        if self._gather_stream is not None and self.world == 1:  # the cast is all there is to wait for
-            torch.cuda.current_stream(self._gather_stream.device).wait_stream(self._gather_stream)
         if weight.gather_work is not None:
             if self.measure_communication:
                 self._stopwatch.wait(weight.gather_work)
