@@ -19,7 +19,6 @@ part not hidden behind backward for overlap/bucketed.
 
 from __future__ import annotations
 
-import time
 import weakref
 from functools import partial
 from typing import Any
@@ -29,35 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-
-class CommunicationTimer:
-    """How long finish_gradient_synchronization kept the step waiting, measured without synchronising the device
-    (a sync would stall the step it times): on CUDA two events on the compute stream, so the gap is the time that
-    stream spent after backward's last kernel until the averaged gradients were final; elsewhere wall time (gloo's
-    collectives block). Read `seconds` once the step is over."""
-
-    def __init__(self, device: torch.device):
-        self._events = device.type == "cuda"
-        if self._events:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._start = time.perf_counter()
-
-    def stop(self) -> CommunicationTimer:
-        if self._events:
-            self._end.record()
-        else:
-            self._end = time.perf_counter()
-        return self
-
-    @property
-    def seconds(self) -> float:
-        if self._events:
-            self._end.synchronize()
-            return self._start.elapsed_time(self._end) / 1e3
-        return self._end - self._start
+from cs336_systems.distributed import CommunicationTimer
 
 
 def _grad_accumulated(wrapper: weakref.ref, index: int, param: nn.Parameter) -> None:

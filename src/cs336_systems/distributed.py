@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+import time
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -137,3 +138,34 @@ def gather_to_rank0(obj: Any) -> list[Any] | None:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered if dist.get_rank() == 0 else None
+
+
+class CommunicationTimer:
+    """How long the step waited for communication between its creation and `stop()` (the DDP and FSDP wrappers
+    time their waits with it), measured without synchronising the device (a sync would stall the step it times):
+    on CUDA two events on the compute stream, so the gap is the time that stream spent idle until the collective
+    it waits for had finished; elsewhere wall time (gloo's collectives block). Read `seconds` once the step is
+    over."""
+
+    def __init__(self, device: torch.device):
+        self._events = device.type == "cuda"
+        if self._events:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> CommunicationTimer:
+        if self._events:
+            self._end.record()
+        else:
+            self._end = time.perf_counter()
+        return self
+
+    @property
+    def seconds(self) -> float:
+        if self._events:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return self._end - self._start

@@ -34,23 +34,24 @@ the shard's, with the same buffers, hooks and freeing (so one GPU measures the m
 
 Memory per rank: the shards and replicated parameters with their gradients and optimizer state, plus the full
 weights of the few layers gathered at a time and, briefly, a layer's full gradient (float32) while it is being
-reduced. With `measure_communication = True`, `last_step_stats` holds per step the time spent waiting for
-all-gathers (exposed communication: CUDA events around the wait on the compute stream, wall time on gloo) and
-for the final synchronisation, and the bytes each rank received or sent.
+reduced. With `measure_communication = True`, each finish_gradient_synchronization leaves in
+`last_communication` (a StepCommunication) the step's waits for all-gathers (exposed communication: CUDA events
+around each wait on the compute stream, wall time on gloo) and for the final synchronisation, and the bytes this
+rank received or sent; it is read after the step, so measuring does not synchronise the device mid-step.
 """
 
 from __future__ import annotations
 
 import math
-import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.distributed import all_gather_flat, reduce_scatter_flat
+from cs336_systems.distributed import CommunicationTimer, all_gather_flat, reduce_scatter_flat
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 
@@ -63,36 +64,20 @@ def is_sharded_layer(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, nn.Embedding)) or type(module).__name__ in SHARDED_CLASS_NAMES
 
 
-class _Stopwatch:
-    """How long the compute stream (CUDA: two events, read later without stalling the step) or the caller
-    (elsewhere) waited for a collective."""
+@dataclass
+class StepCommunication:
+    """What one step of `measure_communication` waited for: a CommunicationTimer per all-gather wait (the compute
+    stream idle until the gathered weight was there) and one for finish_gradient_synchronization (until the last
+    reduction had finished), and the bytes this rank received or sent. `stats()` reads the timers: call it once the
+    step is over, so that reading does not stall the step it measures."""
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.intervals: list = []
+    gather_waits: list[CommunicationTimer]
+    sync_wait: CommunicationTimer
+    bytes_moved: dict[str, float]
 
-    def wait(self, work: dist.Work) -> None:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            work.wait()
-            end.record()
-            self.intervals.append((start, end))
-        else:
-            start = time.perf_counter()
-            work.wait()
-            self.intervals.append(time.perf_counter() - start)
-
-    def seconds(self) -> float:
-        if self.cuda:
-            total = 0.0
-            for start, end in self.intervals:
-                end.synchronize()
-                total += start.elapsed_time(end) / 1e3
-        else:
-            total = sum(self.intervals)
-        self.intervals.clear()
-        return total
+    def stats(self) -> dict[str, float]:
+        return {"gather_wait_s": sum(timer.seconds for timer in self.gather_waits),
+                "sync_wait_s": self.sync_wait.seconds, **self.bytes_moved}
 
 
 class _ShardedWeight:
@@ -185,9 +170,10 @@ class FullyShardedDataParallel(nn.Module):
         self._position: dict[int, int] = {}  # index -> its position in self.order
         self._seen: list[int] = []
         self._reductions: list[tuple[dist.Work | None, torch.Tensor, nn.Parameter]] = []
-        self._stopwatch = _Stopwatch(self.weights[0].full.device if self.weights else torch.device("cpu"))
+        self.device = self.weights[0].full.device if self.weights else torch.device("cpu")
         self.measure_communication = False
-        self.last_step_stats: dict[str, float] = {}
+        self._gather_waits: list[CommunicationTimer] = []
+        self.last_communication: StepCommunication | None = None
         self._bytes = dict.fromkeys(("bytes_all_gathered", "bytes_reduce_scattered", "bytes_all_reduced"), 0.0)
         # ("gather" | "forward_done" | "backward_done", i) when record_events (tests check the prefetch rule)
         self.events: list[tuple[str, int]] = []
@@ -225,10 +211,10 @@ class FullyShardedDataParallel(nn.Module):
         weight = self.weights[index]
         self._gather(index)
         if weight.gather_work is not None:
-            if self.measure_communication:
-                self._stopwatch.wait(weight.gather_work)
-            else:
-                weight.gather_work.wait()
+            timer = CommunicationTimer(self.device) if self.measure_communication else None
+            weight.gather_work.wait()
+            if timer is not None:
+                self._gather_waits.append(timer.stop())
             weight.gather_work = None
 
     def _before_forward(self, index: int, *_) -> None:
@@ -294,7 +280,7 @@ class FullyShardedDataParallel(nn.Module):
     def finish_gradient_synchronization(self) -> None:
         """Wait for the gradients' reductions; then every shard and replicated parameter holds the average over
         ranks of its gradient (float32 for the shards)."""
-        start = time.perf_counter()
+        timer = CommunicationTimer(self.device) if self.measure_communication else None
         for weight in self.weights:  # a prefetched layer whose backward did not run must not stay gathered
             if weight.gather_work is not None:
                 weight.gather_work.wait()
@@ -307,15 +293,10 @@ class FullyShardedDataParallel(nn.Module):
                 reduced.div_(self.world)
             param.grad = reduced if param.grad is None else param.grad + reduced
         self._reductions.clear()
-        if self.measure_communication:
-            device = self.weights[0].full.device if self.weights else torch.device("cpu")
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            self.last_step_stats = {"gather_wait_s": self._stopwatch.seconds(),
-                                    "sync_wait_s": time.perf_counter() - start, **self._bytes}
-        else:
-            self.last_step_stats = dict(self._bytes)
-        self._bytes = dict.fromkeys(self._bytes, 0.0)
+        if timer is not None:
+            self.last_communication = StepCommunication(self._gather_waits, timer.stop(), self._bytes)
+        self._gather_waits = []
+        self._bytes = dict.fromkeys(self._bytes, 0.0)  # a new dict: the last step's stays with its record
 
     # --------------------------------------------------------------------------------------------- full state
 

@@ -41,7 +41,7 @@ from cs336_systems.benchmarking import sync, time_steps
 from cs336_systems.cuda_memory import MIB
 from cs336_systems.distributed import DistContext
 from cs336_systems.distributed_benchmarking import NO_ALLOCATOR_STATS, OOM_REASON
-from cs336_systems.fsdp import FullyShardedDataParallel, is_sharded_layer
+from cs336_systems.fsdp import FullyShardedDataParallel, StepCommunication, is_sharded_layer
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.timeline import record_timeline, stream_timeline
 
@@ -194,8 +194,8 @@ def measure(
     trace_steps: int = 2,
 ) -> dict[str, Any] | None:
     """One variant on this rank: seconds per timed step, the allocator's peak over them (MiB), the counted
-    statistics of as many more steps (ours, with measure_communication on, so that their synchronisation does
-    not slow the timed steps) or the computed bytes, and with `trace` (CUDA) the timeline of one profiled
+    statistics of as many more steps (ours, with measure_communication on, whose events add CPU work the timed
+    steps should not carry; read after those steps) or the computed bytes, and with `trace` (CUDA) the timeline of one profiled
     step (rank 0 writes the trace; the others run the same steps). None on the ranks that `single` leaves idle."""
     if variant == "single" and not ctx.is_main:
         return None
@@ -207,13 +207,13 @@ def measure(
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr)
     torch.manual_seed(seed + 1 + ctx.rank)  # each rank its own shard of the data
     batch = workload.random_batch(cfg, batch_size, ctx.device)
-    counted: list[dict[str, float]] = []
+    counted: list[StepCommunication] = []
 
     def sync_gradients() -> None:
         if hasattr(model, "finish_gradient_synchronization"):
             model.finish_gradient_synchronization()
         if getattr(model, "measure_communication", False) and variant == "ours":
-            counted.append(dict(model.last_step_stats))
+            counted.append(model.last_communication)
 
     step = workload.TrainingStep(model, optimizer, batch, settings.dtype, sync_gradients)
     time_steps(step.train_step, warmup, 0, ctx.device)
@@ -229,7 +229,8 @@ def measure(
         with layer_annotations(blocks_of(model)):
             read = partial(stream_timeline, layer_prefix=LAYER)
             intervals = record_timeline(step.train_step, trace_steps, ctx.device, trace if ctx.is_main else None, read)
-    return {"step_s": step_s, "peak_mib": peak, "counted": counted, "bytes": bytes_moved, "intervals": intervals}
+    return {"step_s": step_s, "peak_mib": peak, "counted": [record.stats() for record in counted], "bytes": bytes_moved,
+            "intervals": intervals}
 
 
 def cell_rows(variant: str, setting: dict[str, Any], per_rank: list[dict | None] | str) -> list[dict[str, Any]]:
