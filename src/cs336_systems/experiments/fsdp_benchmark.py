@@ -11,7 +11,7 @@ policy and prefetch distance), `ddp` (our bucketed DDP) and `single` (rank 0 alo
 fresh model, `--warmup` steps, then `--steps` timed steps (workload.TrainingStep, AdamW, `--batch-size`
 sequences per rank). Columns: `step_ms` (per step the slowest rank's; median, min, max), `peak_mib` (this rank's
 allocator peak over the timed steps; empty on the CPU), `gather_wait_ms` / `sync_wait_ms` (ours: the exposed
-all-gather wait and the wait in finish_gradient_synchronization, counted by the wrapper in as many more steps;
+all-gather wait and the wait in finish_gradient_synchronization, counted by the wrapper in as many more steps run back to back;
 FSDP2: not counted, see the timeline), `bytes_*` (bytes one rank sends per step: counted by ours, computed for
 the others; `bytes_source`).
 `--trace-dir` (CUDA) gets a Chrome trace of `--trace-steps` steps of ours and FSDP2 from rank 0, each block's

@@ -88,8 +88,10 @@ def setup(frame: pd.DataFrame) -> str:
         "synchronisations; a step's time is the slowest rank's (median, min–max). "
         f"{precision} Prefetch distance {first['prefetch_distance']:.0f}: a unit's all-gather starts once the "
         "unit that many before it has finished its forward (our units: every Linear and Embedding weight; FSDP2's: "
-        "each Transformer block and the root). *Exposed all-gather*: ours counts the time its step waited for "
-        "all-gathers; FSDP2 does not expose that wait (the timeline below measures both). Bytes: what one rank "
+        "each Transformer block and the root). *Exposed all-gather*: ours counts the time its compute stream waited for "
+        "all-gathers, in as many more steps run back to back as in training (the largest rank's median; a sync "
+        "after every step would make each rank start the next at its own time, and the first all-gather would "
+        "count that skew); FSDP2 does not expose that wait (the timeline below measures both). Bytes: what one rank "
         "sends per step, counted by our FSDP, computed from the parameters for the others."
     )
 
@@ -279,7 +281,7 @@ def exposure_sentence(variant: str, layers: pd.DataFrame, s: dict, cells: pd.Dat
     )
     counted = cells[(cells["world_size"] == world_size) & (cells["variant"] == variant)]
     if len(counted) and not pd.isna(counted["gather_wait_ms"].iloc[0]):
-        text += f" Its own count in the timed steps: {counted['gather_wait_ms'].iloc[0]:.2f} ms of all-gather wait per step."
+        text += f" Its own count over the counted steps (run back to back): {counted['gather_wait_ms'].iloc[0]:.2f} ms of all-gather wait per step."
     return text
 
 
