@@ -82,4 +82,36 @@ rule train_step_components:
         "--out {output.csv} 2> {log}"
 
 
+# The leaderboard as the spec runs it: the sharded stacks (FSDP2's native stack, ours, the plain baseline under our
+# FSDP) in one job of `sharded.world_size` ranks, one sequence of `batch_size` per rank, on the launch pattern of
+# rules/distributed.smk (a machine with too few GPUs gets a `skipped` row).
+SHARDED = TRAIN_STEP.get("sharded")
+SHARDED_CSV = f"{RESULTS}/train_step_sharded/n{{world_size}}.csv"
+if SHARDED:
+
+    use rule launch_ranks as train_step_sharded with:
+        input:
+            TRAIN_STEP_CODE,
+            code("fsdp.py", *DIST_CODE),
+        output:
+            csv=report(SHARDED_CSV, caption="report/train_step.rst", category="Results",
+                       subcategory="9 The leaderboard's training step"),
+            json=f"{RESULTS}/train_step_sharded/n{{world_size}}.json",
+        wildcard_constraints:
+            world_size=str(SHARDED["world_size"]),
+        params:
+            **launched(SHARDED["world_size"], DIST_BACKEND, SHARDED_CSV),
+            cli=(f"cs336_systems.experiments.train_step_benchmark {TRAIN_STEP_DIMS} "
+                 f"--num-layers {listed(SHARDED['num_layers'])} --stacks {listed(SHARDED['stacks'])} "
+                 f"--dtype {TRAIN_STEP['dtype']} --warmup-steps {SHARDED['warmup_steps']} --steps {SHARDED['steps']}"
+                 + ("" if TRAIN_STEP["compile"] else " --no-compile")),
+        threads: rank_threads(SHARDED["world_size"])
+        resources:
+            **ranks(SHARDED["world_size"], DIST_BACKEND),
+        log:
+            f"{RESULTS}/logs/train_step/sharded_n{{world_size}}.log",
+
+    WRITEUP_INPUTS.append(SHARDED_CSV.format(world_size=SHARDED["world_size"]))
+
+
 WRITEUP_INPUTS += [*expand(TRAIN_STEP_CSV, stack=TRAIN_STEP["stacks"]), COMPONENTS_CSV]

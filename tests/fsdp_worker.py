@@ -99,8 +99,8 @@ def assert_fp32_equal(actual: torch.Tensor, expected: torch.Tensor, label: str) 
 
 
 def check_gradients(fsdp: FullyShardedDataParallel, label: str) -> None:
-    """Every trainable parameter of the wrapped module has a gradient shaped like its data, in float32, and the
-    replicated ones are the same on every rank."""
+    """Every trainable parameter of the wrapped module has a gradient shaped like its data, in float32 (a float32
+    model's master weights), and the replicated ones are the same on every rank."""
     for name, p in fsdp.module.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and p.grad.shape == p.data.shape and p.grad.dtype == torch.float32, (
@@ -176,38 +176,113 @@ def compute_dtype(dtype: torch.dtype, tolerance: float) -> None:
                 f"{dtype} step {step}: {name} differs by {(full[name] - p).abs().max().item():.3g}")
 
 
-def prefetch_rule() -> None:
-    """A layer's all-gather starts only after the layer two before it finished its forward (in the backward: the
-    layer two after it finished its backward), and every gathered weight is freed after the forward and after
-    the backward."""
-    torch.manual_seed(0)
-    fsdp = FullyShardedDataParallel(ToyLM())
-    fsdp.record_events = True
-    (ids, targets), (my_ids, my_targets) = next(batches(1, dist.get_world_size()))
-    for _ in range(2):  # the second step prefetches by the order the first one recorded
-        fsdp.events.clear()
-        logits = fsdp(my_ids)
-        assert not any(w.gathered for w in fsdp.weights), "a gathered weight outlived the forward"
-        forward = list(fsdp.events)
-        loss_fn(logits, my_targets).backward()
-        fsdp.finish_gradient_synchronization()
-        backward = fsdp.events[len(forward) :]
-        assert not any(w.gathered for w in fsdp.weights), "a gathered weight outlived the backward"
+def check_prefetch_rule(fsdp: FullyShardedDataParallel, forward: list, backward: list) -> None:
+    """A unit's all-gather starts only after the unit two before it finished its forward (in the backward: the
+    unit two after it finished its backward), and each unit is gathered once in each."""
     order = fsdp.order
-    assert [fsdp.weights[i].name for i in order] == ["embed.weight", "up.weight", "down.weight", "head.weight"]
     gathers = [i for kind, i in forward if kind == "gather"]
-    assert sorted(gathers) == sorted(order), f"each layer gathered once in the forward: {forward}"
+    assert sorted(gathers) == sorted(order), f"each unit gathered once in the forward: {forward}"
     for kind, index in forward:
         position = order.index(index)
         if kind == "gather" and position >= 2:
             done = forward.index(("forward_done", order[position - 2]))
-            assert done < forward.index((kind, index)), f"layer {index} gathered too early: {forward}"
+            assert done < forward.index((kind, index)), f"unit {index} gathered too early: {forward}"
     assert sorted(i for kind, i in backward if kind == "gather") == sorted(order), f"one gather each: {backward}"
     for kind, index in backward:
         position = order.index(index)
         if kind == "gather" and position + 2 < len(order):
             done = backward.index(("backward_done", order[position + 2]))
-            assert done < backward.index((kind, index)), f"layer {index} gathered too early: {backward}"
+            assert done < backward.index((kind, index)), f"unit {index} gathered too early: {backward}"
+
+
+def recorded_step(fsdp: FullyShardedDataParallel, ids, targets) -> tuple[list, list]:
+    """One forward and backward with events recorded: (forward events, backward events); no gathered weight
+    outlives either."""
+    fsdp.record_events = True
+    fsdp.events.clear()
+    logits = fsdp(ids)
+    assert not any(w.gathered for w in fsdp.weights), "a gathered weight outlived the forward"
+    forward = list(fsdp.events)
+    loss_fn(logits, targets).backward()
+    fsdp.finish_gradient_synchronization()
+    assert not any(w.gathered for w in fsdp.weights), "a gathered weight outlived the backward"
+    fsdp.record_events = False
+    return forward, fsdp.events[len(forward) :]
+
+
+def prefetch_rule() -> None:
+    torch.manual_seed(0)
+    fsdp = FullyShardedDataParallel(ToyLM())
+    (ids, targets), (my_ids, my_targets) = next(batches(1, dist.get_world_size()))
+    for _ in range(2):  # the second step prefetches by the order the first one recorded
+        forward, backward = recorded_step(fsdp, my_ids, my_targets)
+    assert [fsdp.weights[i].name for i in fsdp.order] == ["embed.weight", "up.weight", "down.weight", "head.weight"]
+    check_prefetch_rule(fsdp, forward, backward)
+
+
+def block_units() -> None:
+    """Transformer blocks as units (as the leaderboard's train step shards its compiled blocks): fp32 training
+    equals single-process training, a block's weights are gathered together, and the prefetch rule holds by
+    unit."""
+    from cs336_systems.model import ModelConfig, TransformerLM
+
+    cfg = ModelConfig.from_name("tiny", vocab_size=61, context_length=8)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    reference = copy.deepcopy(model)
+    fsdp = FullyShardedDataParallel(model, units=model.blocks)
+    assert [unit for unit, _ in fsdp.units] == [model.embedding, *model.blocks, model.lm_head], fsdp.units
+    assert all(len(indices) == 5 for _, indices in fsdp.units[1:-1]), "qkv, out, w1, w2, w3 per block"
+    # SGD: AdamW turns a rounding-sized gradient difference near zero into a step of lr (as compute_dtype says)
+    optimizer = OPTIMIZERS["sgd"](fsdp.parameters())
+    reference_optimizer = OPTIMIZERS["sgd"](reference.parameters())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(7)
+    for step in range(3):
+        ids = torch.randint(61, (4 * world, 8), generator=g)
+        mine = ids[rank * 4 : (rank + 1) * 4]
+        optimizer.zero_grad(set_to_none=True)
+        forward, backward = recorded_step(fsdp, mine[:, :-1], mine[:, 1:])
+        check_gradients(fsdp, f"block units step {step}")
+        optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=True)
+        loss_fn(reference(ids[:, :-1]), ids[:, 1:]).backward()
+        reference_optimizer.step()
+        full = fsdp.gather_full_params()
+        for name, p in reference.named_parameters():
+            assert_fp32_equal(full[name], p.detach(), f"block units step {step}: {name}")
+    check_prefetch_rule(fsdp, forward, backward)
+    try:
+        FullyShardedDataParallel(copy.deepcopy(reference), units=[model.blocks[0]])
+    except ValueError as error:
+        assert "units[0]" in str(error), error
+    else:
+        raise AssertionError("a unit outside the wrapped module was accepted")
+
+
+def bf16_weights() -> None:
+    """A bf16 model (the leaderboard's storage): shards, gradients and so the optimizer's state stay bf16, and
+    training matches single-process bf16 training up to bf16 rounding of the reduction."""
+    torch.manual_seed(0)
+    model = ToyLM().to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    fsdp = FullyShardedDataParallel(model)
+    optimizer = OPTIMIZERS["sgd"](fsdp.parameters())
+    reference_optimizer = OPTIMIZERS["sgd"](reference.parameters())
+    for step, ((ids, targets), (my_ids, my_targets)) in enumerate(batches(3, dist.get_world_size())):
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(fsdp(my_ids), my_targets).backward()
+        fsdp.finish_gradient_synchronization()
+        assert all(p.grad.dtype == torch.bfloat16 for p in fsdp.parameters()), "gradients must stay bf16"
+        optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=True)
+        loss_fn(reference(ids), targets).backward()
+        reference_optimizer.step()
+        full = fsdp.gather_full_params()
+        for name, p in reference.named_parameters():
+            assert full[name].dtype == torch.bfloat16, f"{name}: stored as {full[name].dtype}"
+            error = (full[name].float() - p.float()).abs().max().item()
+            assert error <= 2e-2 * p.float().abs().max().item(), f"bf16 step {step}: {name} differs by {error:.3g}"
 
 
 def our_transformer() -> None:
@@ -255,6 +330,8 @@ CASES = {
     "frozen": lambda: train_against_reference("adamw", freeze="down"),
     "compute_dtype": lambda: (compute_dtype(torch.float16, 1e-4), compute_dtype(torch.bfloat16, 1e-3)),
     "prefetch": prefetch_rule,
+    "units": block_units,
+    "bf16": bf16_weights,
     "transformer": our_transformer,
     "tied": tied,
 }

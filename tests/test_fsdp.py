@@ -28,3 +28,12 @@ def test_compute_dtype_prefetch_rule_our_transformer_and_tied_weights():
     result = launch(2, "compute_dtype", "prefetch", "transformer", "tied")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK on 2 ranks" in result.stdout
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_block_units_and_bf16_weights(world_size: int):
+    result = launch(world_size, "units", "bf16")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"OK on {world_size} ranks" in result.stdout
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK on 2 ranks" in result.stdout

@@ -10,8 +10,14 @@ A stack says how the same model is run (`STACKS`):
   head and loss in chunks of tokens whose logits are recomputed in backward (`checkpoint` per chunk), fused AdamW;
 - `ours`: the same with our FlashAttention (Triton) and our fused LM head + cross-entropy (Triton,
   cs336_systems.fused_cross_entropy), and the `ours_*` variants that put one PyTorch piece back, so the writeup
-  shows what each of ours is worth.
-Weights, gradients and AdamW state are in the run's dtype (bf16 in the leaderboard's config).
+  shows what each of ours is worth;
+- `*_fsdp`: the stack sharded over the ranks of the process group, each rank training on its own sequences:
+  `native_fsdp` with PyTorch's FSDP2 (`fully_shard` on every block, the head and the root), `ours_fsdp` with our
+  FullyShardedDataParallel (a compiled block, the head and the embedding as units, hooks outside the compiled
+  code; cs336_systems.fsdp), `plain_fsdp` the naive baseline under ours.
+Weights, gradients and AdamW state are in the run's dtype (bf16 in the leaderboard's config), sharded or not.
+The model runs as a `LossModel` (tokens, targets -> summed loss), whose `head` module holds the LM head and the
+loss, so that a sharding wrapper gathers the head's weight around the loss that uses it.
 
 MFU counts model FLOPs only (recomputation is not counted): per sequence of T tokens,
 6·T·(L·(4d² + 3·d·d_ff) + d·V) + L·6·T²·d, over the GPU's dense bf16 peak (`PEAK_TFLOPS`).
@@ -23,11 +29,13 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cs336_systems import checkpointing
+from cs336_systems.fsdp import FullyShardedDataParallel
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.profiling import MATMUL, profile_step
 
@@ -46,6 +54,7 @@ class Stack:
     checkpoint: str  # ModelConfig.checkpoint
     compile_blocks: bool  # torch.compile each (checkpointed) block
     fused_adamw: bool  # torch.optim.AdamW(fused=True) on CUDA
+    sharding: str = "none"  # none, ours (our FSDP) or fsdp2 (PyTorch's fully_shard): over the process group
 
 
 STACKS = {
@@ -56,7 +65,13 @@ STACKS = {
     "ours_chunked_head": Stack("flash_triton", "chunked", "selective", compile_blocks=True, fused_adamw=True),
     # no recomputation at all: the bound checkpointing pays against, where the activations fit
     "ours_no_checkpoint": Stack("flash_triton", "fused", "none", compile_blocks=True, fused_adamw=True),
+    # sharded over the process group's ranks (the leaderboard's two GPUs)
+    "plain_fsdp": Stack("naive", "eager", "none", compile_blocks=False, fused_adamw=False, sharding="ours"),
+    "native_fsdp": Stack("sdpa", "chunked", "selective", compile_blocks=True, fused_adamw=True, sharding="fsdp2"),
+    "ours_fsdp": Stack("flash_triton", "fused", "selective", compile_blocks=True, fused_adamw=True, sharding="ours"),
+    "ours_fsdp_sdpa": Stack("sdpa", "fused", "selective", compile_blocks=True, fused_adamw=True, sharding="ours"),
 }
+SHARDINGS = ("none", "ours", "fsdp2")
 
 
 class _CheckpointedBlock(nn.Module):
@@ -70,56 +85,106 @@ class _CheckpointedBlock(nn.Module):
         return checkpointing.checkpoint_selectively(self.block, x, self.policy)
 
 
-def build_model(stack: Stack, dims: dict, device: torch.device, dtype: torch.dtype, compile_blocks: bool) -> TransformerLM:
-    """The model of `dims` (LEADERBOARD's keys) in `dtype` on `device`, its blocks run as the stack says."""
-    selective = stack.checkpoint in checkpointing.SELECTIVE and compile_blocks
-    cfg = ModelConfig(**dims, attention=stack.attention, checkpoint="none" if selective else stack.checkpoint)
-    model = TransformerLM(cfg).to(device=device, dtype=dtype)
-    if compile_blocks:
-        blocks = [_CheckpointedBlock(b, stack.checkpoint) if selective else b for b in model.blocks]
-        model.blocks = nn.ModuleList(torch.compile(b) for b in blocks)
-    return model
+class LossHead(nn.Module):
+    """The LM head and the summed cross-entropy of its next-token logits, computed as `kind` says (HEADS)."""
 
+    def __init__(self, lm_head: nn.Module, kind: str, chunk: int):
+        super().__init__()
+        self.lm_head, self.kind, self.chunk = lm_head, kind, chunk
 
-def summed_loss(model: TransformerLM, tokens: torch.Tensor, targets: torch.Tensor, head: str, chunk: int) -> torch.Tensor:
-    """The summed cross-entropy of the model's next-token logits, the head computed as `head` says."""
-    from cs336_systems.fused_cross_entropy import fused_linear_cross_entropy
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from cs336_systems.fused_cross_entropy import fused_linear_cross_entropy
 
-    h = model.hidden(tokens).flatten(0, 1)
-    weight, targets = model.lm_head.weight, targets.flatten()
-    if head == "eager":
-        return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
-    if head == "fused":
-        return fused_linear_cross_entropy(h, weight, targets, chunk=chunk, reduction="sum")
-    return sum(checkpoint(_chunk_loss, h[i : i + chunk], weight, targets[i : i + chunk], use_reentrant=False)
-               for i in range(0, h.shape[0], chunk))
+        weight = self.lm_head.weight
+        if self.kind == "eager":
+            return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
+        if self.kind == "fused":
+            return fused_linear_cross_entropy(h, weight, targets, chunk=self.chunk, reduction="sum")
+        return sum(checkpoint(_chunk_loss, h[i : i + self.chunk], weight, targets[i : i + self.chunk],
+                              use_reentrant=False) for i in range(0, h.shape[0], self.chunk))
 
 
 def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
 
 
+class LossModel(nn.Module):
+    """(tokens, targets) -> the summed cross-entropy: the TransformerLM's embedding and blocks (`lm`, its final
+    hidden states) and a LossHead (`head`) that holds the LM head, moved out of `lm`."""
+
+    def __init__(self, lm: TransformerLM, head: str, chunk: int):
+        super().__init__()
+        self.head = LossHead(lm.lm_head, head, chunk)
+        lm.lm_head = nn.Identity()  # one owner per weight (sharding wrappers need that); lm.hidden() is all we call
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lm.hidden(tokens).flatten(0, 1), targets.flatten())
+
+
+def build_model(stack: Stack, dims: dict, device: torch.device, dtype: torch.dtype, compile_blocks: bool,
+                head_chunk: int) -> LossModel:
+    """The model of `dims` (LEADERBOARD's keys) in `dtype` on `device` (built there: an 8B model's fp32
+    initialisation would take minutes on the CPU), its blocks run as the stack says."""
+    selective = stack.checkpoint in checkpointing.SELECTIVE and compile_blocks
+    cfg = ModelConfig(**dims, attention=stack.attention, checkpoint="none" if selective else stack.checkpoint)
+    with torch.device(device):
+        lm = TransformerLM(cfg).to(dtype=dtype)
+    if compile_blocks:
+        blocks = [_CheckpointedBlock(b, stack.checkpoint) if selective else b for b in lm.blocks]
+        lm.blocks = nn.ModuleList(torch.compile(b) for b in blocks)
+    return LossModel(lm, stack.head, head_chunk)
+
+
+def shard(model: LossModel, sharding: str) -> nn.Module:
+    """The model sharded over the process group's ranks as `sharding` says (SHARDINGS); `none` returns it."""
+    if sharding == "none":
+        return model
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"sharding {sharding!r} needs a process group: run under cs336_systems.launch")
+    units = [*model.lm.blocks, model.head]
+    if sharding == "ours":
+        return FullyShardedDataParallel(model, units=units)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 class TrainStep:
-    """The spec's train_step for one stack on a fixed batch of random tokens: `step()` runs it once."""
+    """The spec's train_step for one stack on a fixed batch of random tokens (`batch_size` sequences on this
+    rank; under a sharded stack each rank draws its own): `step()` runs it once."""
 
     def __init__(self, stack: Stack, dims: dict, batch_size: int, device: torch.device, dtype: torch.dtype,
                  compile_blocks: bool = True, head_chunk: int = 8192, seed: int = 0):
         torch.manual_seed(seed)
-        self.stack, self.head_chunk = stack, head_chunk
-        self.model = build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks)
+        self.stack = stack
+        self.model = shard(build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks,
+                                       head_chunk), stack.sharding)
         fused = stack.fused_adamw and device.type == "cuda"
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused or None)
-        g = torch.Generator(device="cpu").manual_seed(seed)
+        rank = dist.get_rank() if stack.sharding != "none" else 0
+        g = torch.Generator(device="cpu").manual_seed(seed + rank)
         ids = torch.randint(dims["vocab_size"], (batch_size, dims["context_length"] + 1), generator=g).to(device)
         self.tokens, self.targets = ids[:, :-1], ids[:, 1:]
 
     def loss(self) -> torch.Tensor:
-        return summed_loss(self.model, self.tokens, self.targets, self.stack.head, self.head_chunk)
+        return self.model(self.tokens, self.targets)
+
+    def sync_gradients(self) -> None:
+        """Our FSDP's reductions finish here (FSDP2's inside backward); then each shard holds the average over
+        ranks of its gradient."""
+        if isinstance(self.model, FullyShardedDataParallel):
+            self.model.finish_gradient_synchronization()
 
     def step(self) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss()
         loss.backward()
+        self.sync_gradients()
         self.optimizer.step()
         return loss.detach()
 

@@ -12,6 +12,17 @@ per-layer time = the least-squares slope of step time over depth, and the extrap
 `--extrapolate-layers` layers = intercept + slope × layers, labelled as such. With `--components`, one more
 profiled step per cell gives `component` rows: its kernels' time by component (attention, head + loss,
 optimizer, matmul, the rest; train_step_benchmarking.COMPONENTS).
+
+The sharded stacks (`*_fsdp`) run under the launcher, one rank per GPU, each rank on its own `--batch-size`
+sequences (the leaderboard: 2 GPUs x 1 sequence):
+    python -m cs336_systems.launch --nproc 2 --backend nccl --out X.csv -- \
+        cs336_systems.experiments.train_step_benchmark --num-layers 34 --stacks native_fsdp ours_fsdp
+There `do_bench` (whose step count depends on each rank's own estimate) would let the ranks run different
+numbers of collectives, so every rank runs `--warmup-steps` then `--steps` steps, synchronised after each; a
+step's time is the slowest rank's, the cell's the median. Peak memory is the largest rank's; `world_size` and the
+MFU count every rank's tokens over every rank's GPU. Our FSDP also counts, in the timed steps, the compute
+stream's wait for all-gathers (`gather_wait_ms`) and at the final synchronisation (`sync_wait_ms`): the median
+over steps, the largest rank's.
 """
 
 from __future__ import annotations
@@ -24,9 +35,12 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from cs336_systems import cli
-from cs336_systems.benchmarking import or_oom, resolve_device, sync
+from cs336_systems.benchmarking import or_oom, resolve_device, sync, time_steps
+from cs336_systems.distributed import BACKENDS, distributed
+from cs336_systems.fsdp import FullyShardedDataParallel
 from cs336_systems.provenance import write_rows
 from cs336_systems.train_step_benchmarking import (
     LEADERBOARD,
@@ -52,8 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="run every stack's blocks eagerly")
     p.add_argument("--warmup-ms", type=cli.positive_int, default=3000, help="CUDA: do_bench warm-up")
     p.add_argument("--rep-ms", type=cli.positive_int, default=5000, help="CUDA: do_bench measurement time")
-    p.add_argument("--steps", type=cli.positive_int, default=3, help="CPU: timed steps (after one warm-up)")
+    p.add_argument("--steps", type=cli.positive_int, default=3,
+                   help="CPU or several ranks: timed steps (after the warm-up steps)")
+    p.add_argument("--warmup-steps", type=cli.positive_int, default=1, help="CPU or several ranks: warm-up steps")
     p.add_argument("--extrapolate-layers", type=cli.positive_int, default=LEADERBOARD["num_layers"])
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="under the launcher: the process group's backend (default: nccl with GPUs, else gloo)")
     p.add_argument("--components", action="store_true",
                    help="also profile one step per cell: time per component (attention, matmul, ...) rows")
     cli.add_device(p)
@@ -62,16 +80,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--d-model {args.d_model} must split into --num-heads {args.num_heads} heads of even size")
     if len(set(args.stacks)) < len(args.stacks) or len(set(args.num_layers)) < len(args.num_layers):
         p.error("--stacks and --num-layers list each value once")
+    sharded = [s for s in args.stacks if STACKS[s].sharding != "none"]
+    if sharded and "WORLD_SIZE" not in os.environ:
+        p.error(f"--stacks {' '.join(sharded)} shard over ranks: run under python -m cs336_systems.launch --nproc N")
+    if len(sharded) < len(args.stacks) and "WORLD_SIZE" in os.environ:
+        p.error(f"--stacks {' '.join(s for s in args.stacks if s not in sharded)} run on one GPU: do not launch "
+                "them on several ranks (or list only *_fsdp stacks)")
     return args
 
 
 def time_step(train: TrainStep, device: torch.device, args: argparse.Namespace) -> float:
-    """Milliseconds per step: do_bench's median on CUDA, the median of wall times elsewhere."""
+    """Milliseconds per step: do_bench's median on one CUDA device; on several ranks the median over steps of
+    the slowest rank's time; the median of wall times elsewhere."""
+    if dist.is_initialized():
+        time_steps(train.step, args.warmup_steps, 0, device)
+        per_rank = torch.tensor(time_steps(train.step, 0, args.steps, device), device=device)
+        dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
+        return statistics.median(per_rank.tolist()) * 1e3
     if device.type == "cuda":
         import triton.testing
 
         return triton.testing.do_bench(train.step, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-    train.step()
+    for _ in range(args.warmup_steps):
+        train.step()
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
@@ -86,19 +117,45 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
         torch.cuda.reset_peak_memory_stats(device)
     train = TrainStep(STACKS[stack], {**dims, "num_layers": num_layers}, args.batch_size, device,
                       DTYPES[args.dtype], compile_blocks=not args.no_compile, head_chunk=args.head_chunk, seed=args.seed)
+    ours = isinstance(train.model, FullyShardedDataParallel)
+    records = []
+    if ours:  # its waits, counted in the timed steps (a few CUDA events per unit)
+        train.model.measure_communication = True
+        finish = train.sync_gradients
+
+        def finish_and_record() -> None:
+            finish()
+            records.append(train.model.last_communication)
+
+        train.sync_gradients = finish_and_record
     step_ms = time_step(train, device, args)
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-    return {"step_ms": step_ms, "peak_mib": peak,
+    waits = {}
+    if ours:
+        stats = [record.stats() for record in records[-args.steps :]]
+        waits = {f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3 for key in ("gather_wait", "sync_wait")}
+    if dist.is_initialized():  # the largest rank's
+        peak, *waits_max = (max(values) for values in zip(*gather_to_all([peak, *waits.values()]), strict=True))
+        waits = dict(zip(waits, waits_max, strict=True))
+    return {"step_ms": step_ms, "peak_mib": peak, **waits,
             "components": component_times(train, device) if args.components else {}}
+
+
+def gather_to_all(values: list[float]) -> list[list[float]]:
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return gathered
 
 
 def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, result) -> dict:
     s = STACKS[stack]
-    flops = model_flops(vars(args), num_layers, args.context_length, args.batch_size)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    flops = model_flops(vars(args), num_layers, args.context_length, args.batch_size * world)
     peak = peak_tflops(device)
     row = {"kind": "cell", "stack": stack, "attention": s.attention, "head": s.head, "checkpoint": s.checkpoint,
-           "compiled": s.compile_blocks and not args.no_compile, "num_layers": num_layers, "d_model": args.d_model,
+           "compiled": s.compile_blocks and not args.no_compile, "sharding": s.sharding, "world_size": world,
+           "num_layers": num_layers, "d_model": args.d_model,
            "d_ff": args.d_ff, "num_heads": args.num_heads, "vocab_size": args.vocab_size,
            "context_length": args.context_length, "batch_size": args.batch_size, "dtype": args.dtype,
            "model_tflop": flops / 1e12, "step_ms": float("nan"), "peak_mib": float("nan"), "mfu": float("nan"),
@@ -107,7 +164,7 @@ def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torc
         return row | {"status": "OOM", "reason": "out of memory"}
     row |= {key: value for key, value in result.items() if key != "components"}
     if peak is not None:
-        row["mfu"] = flops / (result["step_ms"] / 1e3) / (peak * 1e12)
+        row["mfu"] = flops / (result["step_ms"] / 1e3) / (world * peak * 1e12)
     return row
 
 
@@ -122,21 +179,32 @@ def fit_rows(cells: list[dict], extrapolate_layers: int, peak: float | None) -> 
             continue
         slope, intercept = np.polyfit([c["num_layers"] for c in ran], [c["step_ms"] for c in ran], 1)
         first = ran[0]
-        flops = model_flops(first, extrapolate_layers, first["context_length"], first["batch_size"])
+        world = first["world_size"]
+        flops = model_flops(first, extrapolate_layers, first["context_length"], first["batch_size"] * world)
         step_ms = intercept + slope * extrapolate_layers
         rows.append(first | {
             "kind": "fit", "num_layers": extrapolate_layers, "per_layer_ms": slope, "intercept_ms": intercept,
-            "step_ms": step_ms, "peak_mib": float("nan"), "model_tflop": flops / 1e12,
-            "mfu": flops / (step_ms / 1e3) / (peak * 1e12) if peak else float("nan"), "status": "extrapolated",
+            "step_ms": step_ms, "peak_mib": float("nan"), "gather_wait_ms": float("nan"),
+            "sync_wait_ms": float("nan"), "model_tflop": flops / 1e12,
+            "mfu": flops / (step_ms / 1e3) / (world * peak * 1e12) if peak else float("nan"), "status": "extrapolated",
             "reason": f"intercept + slope x {extrapolate_layers} layers, least squares over depths {depths}"})
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = resolve_device(args.device)
+    if "WORLD_SIZE" not in os.environ:
+        run(args, resolve_device(args.device))
+        return
+    with distributed(args.backend) as ctx:
+        run(args, ctx.device)
+
+
+def run(args: argparse.Namespace, device: torch.device) -> None:
+    """Every (stack, depth) cell, the fits; rank 0 (or the only process) writes them."""
     if device.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernels import triton
+    main_rank = not dist.is_initialized() or dist.get_rank() == 0
     cells, parts = [], []
     for stack in args.stacks:
         for num_layers in args.num_layers:
@@ -146,9 +214,11 @@ def main(argv: list[str] | None = None) -> None:
                 parts += [{"kind": "component", "stack": stack, "num_layers": num_layers, "component": name,
                            "component_ms": ms, "status": "ok"} for name, ms in result["components"].items()]
             shown = "OOM" if result == "OOM" else f"{result['step_ms']:.1f} ms, peak {result['peak_mib']:.0f} MiB"
-            print(f"[train_step] {stack} x {num_layers} layers: {shown}", file=sys.stderr, flush=True)
-    fits = fit_rows(cells, args.extrapolate_layers, peak_tflops(device))
-    write_rows(cells + fits + parts, args.out, cli.params(args))
+            if main_rank:
+                print(f"[train_step] {stack} x {num_layers} layers: {shown}", file=sys.stderr, flush=True)
+    if main_rank:
+        fits = fit_rows(cells, args.extrapolate_layers, peak_tflops(device))
+        write_rows(cells + fits + parts, args.out, cli.params(args))
 
 
 if __name__ == "__main__":
