@@ -103,7 +103,8 @@ if SHARDED:
             **launched(SHARDED["world_size"], DIST_BACKEND, SHARDED_CSV),
             cli=(f"cs336_systems.experiments.train_step_benchmark {TRAIN_STEP_DIMS} "
                  f"--num-layers {listed(SHARDED['num_layers'])} --stacks {listed(SHARDED['stacks'])} "
-                 f"--dtype {TRAIN_STEP['dtype']} --warmup-steps {SHARDED['warmup_steps']} --steps {SHARDED['steps']}"
+                 f"--dtype {TRAIN_STEP['dtype']} --warmup-steps {SHARDED['warmup_steps']} --steps {SHARDED['steps']} "
+                 f"--head-chunk {SHARDED.get('head_chunk', 8192)}"
                  + ("" if TRAIN_STEP["compile"] else " --no-compile")),
         threads: rank_threads(SHARDED["world_size"])
         resources:
