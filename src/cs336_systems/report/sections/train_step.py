@@ -224,7 +224,9 @@ def sharded_text(ctx: Context) -> str:
         "step's time is the slowest rank's, the cell's the median. Peak: the largest rank's "
         "`torch.cuda.max_memory_allocated`. MFU counts every rank's tokens over every rank's GPU. Our FSDP also "
         "counts, in the timed steps, the compute stream's wait for all-gathers (exposed all-gather) and at the final "
-        "gradient synchronisation (median over the steps, the largest rank's); FSDP2 has no such count. Stacks: "
+        "gradient synchronisation (median over the steps, the largest rank's); FSDP2 has no such count. "
+        + (f"LM-head chunks of {p['head_chunk']:,} tokens; " if p.get("head_chunk") else "")
+        + "the CUDA allocator uses expandable segments. Stacks: "
         + "; ".join(LABEL.get(s, s) for s in stacks) + "." + compiled,
         "",
         text_md(sharded_table(cells, stacks, "GPUs" if gpus else "ranks")),
@@ -239,8 +241,20 @@ def sharded_text(ctx: Context) -> str:
                  f"{int(f['num_layers'])} layers on {int(f['world_size'])} {unit}" for f in shown]
         out += ["", "Extrapolated (least squares of step time over the depths measured; not a measurement, and not "
                     f"judged against the goals): {'; '.join(steps)}."]
-    out += ["", sharded_goal_text(cells), "", against_native(cells, unit)]
+    out += ["", sharded_goal_text(cells), "", against_native(cells, unit), "", attention_worth(cells)]
     return "\n".join(part for part in out if part is not None)
+
+
+def attention_worth(cells: pd.DataFrame) -> str:
+    """Our FlashAttention against SDPA's inside the sharded step (ours_fsdp against ours_fsdp_sdpa), per depth."""
+    ok = cells[cells["status"] == "ok"].set_index(["stack", "world_size", "num_layers"])["step_ms"]
+    parts = []
+    for (stack, world, layers), ours in ok.items():
+        other = ok.get(("ours_fsdp_sdpa", world, layers))
+        if stack == "ours_fsdp" and other is not None:
+            parts.append(f"{signed((ours - other) / 1e3, '.2f')} s per step at {layers} layers on {world} ranks "
+                         f"({ours / other - 1:+.1%})".replace("-", "−"))
+    return f"Our FlashAttention against SDPA's, the rest of ours the same: {'; '.join(parts)}." if parts else ""
 
 
 def listed(values: pd.Series) -> str:
