@@ -35,5 +35,3 @@ def test_block_units_and_bf16_weights(world_size: int):
     result = launch(world_size, "units", "bf16")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"OK on {world_size} ranks" in result.stdout
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK on 2 ranks" in result.stdout
