@@ -24,8 +24,8 @@ def test_fp32_training_equals_single_process_training(world_size: int):
     assert f"OK on {world_size} ranks" in result.stdout
 
 
-def test_compute_dtype_prefetch_rule_our_transformer_and_tied_weights():
-    result = launch(2, "compute_dtype", "prefetch", "transformer", "tied")
+def test_compute_dtype_prefetch_rule_our_transformer_tied_weights_and_anomaly_mode():
+    result = launch(2, "compute_dtype", "prefetch", "transformer", "tied", "anomaly")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK on 2 ranks" in result.stdout
 
