@@ -315,8 +315,8 @@ def our_transformer() -> None:
 
 
 def anomaly_mode() -> None:
-    """The assignment's own FSDP test runs its backward under anomaly detection, which checks every saved tensor
-    our hooks refill in place: fp32 and fp16 training must still match."""
+    """The assignment's own FSDP test turns anomaly detection on before its backward: fp32 and fp16 training must
+    still match single-process training under it."""
     torch.autograd.set_detect_anomaly(True, check_nan=False)
     try:
         train_against_reference("sgd", steps=2)
