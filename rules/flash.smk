@@ -1,5 +1,7 @@
-# §1.3.2–1.3.4 FlashAttention-2: the benchmark grid (ours vs naive PyTorch vs SDPA) and the leaderboard timing.
-FLASH, BOARD = R["flash"], R["leaderboard"]
+# §1.3.2–1.3.4 FlashAttention-2: the benchmark grid (ours vs naive PyTorch vs SDPA) and the leaderboard timing;
+# the grid against PyTorch's fastest attention (SDPA's cuDNN and flash backends, compiled FlexAttention) and an
+# Nsight Compute profile of our kernels beside cuDNN's.
+FLASH, BOARD, PEERS, FLASH_NCU = R["flash"], R["leaderboard"], R["flash_peers"], R["flash_ncu"]
 FLASH_CODE = code("flash_benchmarking.py", "flash_attention.py", "flash_triton.py", "triton_interpreter.py")
 
 
@@ -57,7 +59,61 @@ rule flash_leaderboard:
         "2> {log}"
 
 
+rule flash_peers:
+    input:
+        code("experiments/flash_benchmark.py") + FLASH_CODE,
+    output:
+        csv=report(f"{RESULTS}/flash_peers/{{mask}}_d{{d_head}}.csv", caption="report/flash_peers.rst",
+                   category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),
+        json=f"{RESULTS}/flash_peers/{{mask}}_d{{d_head}}.json",
+    wildcard_constraints:
+        mask="causal|noncausal",
+    params:
+        seq_lens=listed(PEERS["seq_lens"]),
+        impls=listed(PEERS["impls"]),
+        causal=lambda w: "--causal" if w.mask == "causal" else "--no-causal",
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/flash_peers/{w.mask}_d{w.d_head}.csv"),
+    threads: NEEDS["model"].threads
+    resources:
+        **job("model", gpu=GPU_JOB),
+    log:
+        f"{RESULTS}/logs/flash_peers/{{mask}}_d{{d_head}}.log",
+    conda:
+        ENV
+    shell:
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.flash_benchmark --seq-lens {params.seq_lens} "
+        "--d-heads {wildcards.d_head} --dtypes bfloat16 --heads " + str(PEERS["heads"]) + " --tokens "
+        + str(PEERS["tokens"]) + " {params.causal} --impls {params.impls} --warmup-ms " + str(PEERS["warmup_ms"])
+        + " --rep-ms " + str(PEERS["rep_ms"]) + " --out {output.csv} 2> {log}"
+
+
+rule flash_ncu:
+    input:
+        code("experiments/flash_ncu.py", "ncu.py") + FLASH_CODE,
+    output:
+        csv=report(f"{RESULTS}/flash_ncu/kernels.csv", caption="report/flash_ncu.rst",
+                   category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),
+        json=f"{RESULTS}/flash_ncu/kernels.json",
+    params:
+        shapes=listed(FLASH_NCU["shapes"]),
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/flash_ncu/kernels.csv"),
+    threads: NEEDS["model"].threads
+    resources:
+        **job("model", gpu=GPU_JOB),
+    log:
+        f"{RESULTS}/logs/flash_ncu.log",
+    conda:
+        ENV
+    shell:
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.flash_ncu --shapes {params.shapes} --out {output.csv} 2> {log}"
+
+
 # One job per (dtype, d_head): each is a few minutes on a GPU, so a cut-short run keeps the cells it finished.
 WRITEUP_INPUTS += expand(f"{RESULTS}/flash/benchmark_{{dtype}}_d{{d_head}}.csv", dtype=FLASH["dtypes"],
                          d_head=FLASH["d_heads"])
 WRITEUP_INPUTS += [f"{RESULTS}/leaderboard/leaderboard.csv"]
+WRITEUP_INPUTS += expand(f"{RESULTS}/flash_peers/{{mask}}_d{{d_head}}.csv", mask=PEERS["masks"],
+                         d_head=PEERS["d_heads"])
+WRITEUP_INPUTS += [f"{RESULTS}/flash_ncu/kernels.csv"]

@@ -22,12 +22,18 @@ def qkv(*shape, seed=0):
     return [torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3)]
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "not-causal"])
 @pytest.mark.parametrize("shape", [(1, 2, 9, 16), (2, 9, 16)], ids=["batch-heads", "heads"])
-@pytest.mark.parametrize("impl", ["pytorch_naive", "sdpa"])
-def test_implementations_are_causal_attention(impl, shape):
+@pytest.mark.parametrize("impl", ["pytorch_naive", "sdpa", "flex", "triton"])
+def test_implementations_are_the_attention_they_name(impl, shape, causal):
     q, k, v = qkv(*shape)
-    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    torch.testing.assert_close(bench.attention(impl, shape[-2], torch.device("cpu"))(q, k, v), expected)
+    if impl == "triton":  # the interpreter's kernels take fp32, not fp64
+        q, k, v = (t.detach().float() for t in (q, k, v))
+    if impl == "flex":  # FlexAttention has no backward on the CPU, and refuses inputs that need one
+        q, k, v = (t.detach() for t in (q, k, v))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    got = bench.attention(impl, shape[-2], torch.device("cpu"), causal)(q, k, v)
+    torch.testing.assert_close(got, expected, **({"atol": 1e-5, "rtol": 1e-5} if impl == "triton" else {}))
 
 
 def test_sdpa_pinned_to_a_backend_runs_that_backend():
@@ -49,7 +55,7 @@ def test_unknown_implementation_or_pass_is_an_error():
 def test_pass_steps_compute_the_pass_they_name(with_gradient):
     q, k, v = qkv(1, 1, 9, 16)
     do = torch.randn(1, 1, 9, 16, dtype=torch.float64) if with_gradient else None
-    attend = bench.naive_causal_attention(9, torch.device("cpu"))
+    attend = bench.naive_attention(9, torch.device("cpu"))
     o = attend(q, k, v)
     expected = torch.autograd.grad(o, (q, k, v), do if with_gradient else torch.ones_like(o))
 
@@ -78,7 +84,8 @@ def test_failure_columns_name_oom_and_the_first_line(capsys):
 
 
 def test_flops_follow_the_stated_convention():
-    assert bench.causal_forward_flops(40, 16, 2) == 4 * 40**2 * 16 * 2 / 2
+    assert bench.forward_flops(40, 16, 2) == 4 * 40**2 * 16 * 2 / 2
+    assert bench.forward_flops(40, 16, 2, causal=False) == 4 * 40**2 * 16 * 2
     assert bench.PASS_FLOP_FACTOR == {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5}
     assert "4*N^2*d*heads/2" in bench.FLOP_CONVENTION
 

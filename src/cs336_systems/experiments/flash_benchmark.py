@@ -1,18 +1,24 @@
-"""FlashAttention-2 benchmark grid (spec §1.3.2 e): our Triton kernels against PyTorch attention.
+"""FlashAttention-2 benchmark grid: our Triton kernels against PyTorch attention.
 
-Batch 1, one head, causal; for every dtype x head dim x sequence length, each implementation is timed with
-`triton.testing.do_bench` (median) on the forward, the backward and forward + backward, all in one run:
+The spec's grid (§1.3.2 e) is batch 1, one head, causal; `--heads`, `--tokens` and `--no-causal` set the shapes
+of the grid against PyTorch's fastest attention (many heads, batch = tokens / seq_len). For every dtype x head
+dim x sequence length, each implementation is timed with `triton.testing.do_bench` (median) on the forward, the
+backward and forward + backward, all in one run:
 - `triton`: `FlashAttentionTriton` (Triton forward and backward);
-- `pytorch_naive`: softmax(Q K^T / sqrt(d) + causal mask) V, materialising the scores;
-- `sdpa`: `torch.nn.functional.scaled_dot_product_attention` with PyTorch's own backend choice.
-One row per (impl, dtype, seq_len, d_head, pass) with `ms` and `status` (ok / OOM / error), plus
-`max_abs_diff_vs_sdpa`: the largest difference of the implementation's output from SDPA's in that cell.
-Without CUDA every row is `skipped` with reason "needs CUDA".
+- `pytorch_naive`: softmax(Q K^T / sqrt(d) [+ causal mask]) V, materialising the scores;
+- `flex`: FlexAttention (a causal block mask or none), compiled;
+- `sdpa`: `torch.nn.functional.scaled_dot_product_attention` with PyTorch's own backend choice, and `sdpa_flash`,
+  `sdpa_cudnn` pinned to one backend.
+One row per (impl, dtype, seq_len, d_head, pass) with `ms`, `tflops` (FLOP convention in the sidecar) and
+`status` (ok / OOM / error), plus `max_abs_diff_vs_sdpa`, the largest difference of the implementation's output
+from SDPA's in that cell, and `first_call_s`, the implementation's first forward + backward in that cell
+(synchronised): where the cell needs it, compiling and autotuning. Without CUDA every row is `skipped`.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -22,7 +28,7 @@ from cs336_systems.benchmarking import free_memory
 from cs336_systems.flash_triton import SUPPORTED_HEAD_DIMS
 from cs336_systems.provenance import write_rows
 
-IMPLS = ("triton", "pytorch_naive", "sdpa")
+IMPLS = ("triton", "pytorch_naive", "flex", "sdpa", "sdpa_flash", "sdpa_cudnn")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -33,48 +39,87 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--d-heads", type=int, nargs="+", required=True, choices=SUPPORTED_HEAD_DIMS)
     p.add_argument("--dtypes", nargs="+", required=True, choices=sorted(DTYPES))
-    p.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    p.add_argument("--heads", type=cli.positive_int, default=1)
+    p.add_argument(
+        "--tokens", type=cli.positive_int, help="batch = max(1, tokens // seq_len) (default: batch 1)"
+    )
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--impls", nargs="+", choices=IMPLS, default=["triton", "pytorch_naive", "sdpa"])
     p.add_argument("--passes", nargs="+", choices=bench.PASSES, default=list(bench.PASSES))
     bench.add_do_bench_args(p, warmup_ms=25, rep_ms=100, note=" per measurement")
     return p.parse_args(argv)
 
 
-def cell_columns(dtype_name: str, d_head: int, seq_len: int) -> dict:
-    return {"dtype": dtype_name, "seq_len": seq_len, "d_head": d_head, "batch_size": 1, "causal": True}
+def batch_size(args: argparse.Namespace, seq_len: int) -> int:
+    return max(1, args.tokens // seq_len) if args.tokens else 1
+
+
+def cell_columns(args: argparse.Namespace, dtype_name: str, d_head: int, seq_len: int) -> dict:
+    return {
+        "dtype": dtype_name,
+        "seq_len": seq_len,
+        "d_head": d_head,
+        "batch_size": batch_size(args, seq_len),
+        "heads": args.heads,
+        "causal": args.causal,
+    }
+
+
+def first_call_seconds(attend: bench.Attention, q, k, v, do) -> float | None:
+    """One synchronised forward + backward: compiling and autotuning where this cell is the first to need it.
+    None where it fails (an OOM of the backward, say): the passes then say why, each in its own row."""
+    start = time.perf_counter()
+    try:
+        bench.pass_step(attend, "forward_backward", q, k, v, do)()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        bench.failure(exc, "flash")
+        return None
+    finally:
+        for t in (q, k, v):
+            t.grad = None
+        free_memory()
+    return time.perf_counter() - start
 
 
 def run_cell(args: argparse.Namespace, dtype_name: str, d_head: int, seq_len: int, device: torch.device):
     from triton.testing import do_bench
 
+    columns = cell_columns(args, dtype_name, d_head, seq_len)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    # Batch 1, one head, in the (batch, heads, seq, d) layout that SDPA's fused backends expect.
+    # (batch, heads, seq, d): the layout SDPA's fused backends and FlexAttention expect.
+    shape = (columns["batch_size"], args.heads, seq_len, d_head)
     q, k, v, do = (
-        torch.randn(1, 1, seq_len, d_head, device=device, dtype=DTYPES[dtype_name], generator=generator)
-        for _ in range(4)
+        torch.randn(*shape, device=device, dtype=DTYPES[dtype_name], generator=generator) for _ in range(4)
     )
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     with torch.no_grad():
-        expected = bench.sdpa_attention()(q, k, v)
+        expected = bench.sdpa_attention(causal=args.causal)(q, k, v)
+    flops = bench.forward_flops(seq_len, d_head, args.heads, args.causal) * columns["batch_size"]
     rows = []
     for impl in args.impls:
-        base = {"impl": impl, **cell_columns(dtype_name, d_head, seq_len)}
+        base = {"impl": impl, **columns}
         try:
-            attend = bench.attention(impl, seq_len, device)
-            diff = bench.max_abs_diff(attend, q, k, v, expected)
+            attend = bench.attention(impl, seq_len, device, args.causal)
+            setup = {"first_call_s": first_call_seconds(attend, q, k, v, do)}
+            setup["max_abs_diff_vs_sdpa"] = bench.max_abs_diff(attend, q, k, v, expected)
         except Exception as exc:  # noqa: BLE001 - a failing cell becomes a row, the sweep goes on
             failed = bench.failure(exc, "flash")
             rows += [{**base, "pass": p, **failed, "max_abs_diff_vs_sdpa": None} for p in args.passes]
             attend = None
+            for t in (q, k, v):
+                t.grad = None
             free_memory()
             continue
         for pass_name in args.passes:
-            bench.log("flash", f"{impl} {dtype_name} d={d_head} seq={seq_len} {pass_name} ...")
+            bench.log("flash", f"{impl} {dtype_name} {tuple(shape)} causal={args.causal} {pass_name} ...")
             try:
                 step = bench.pass_step(attend, pass_name, q, k, v, do)
                 ms = do_bench(
                     step, warmup=args.warmup_ms, rep=args.rep_ms, grad_to_none=[q, k, v], return_mode="median"
                 )
-                result = {"ms": ms, "status": "ok", "error": None}
+                tflops = flops * bench.PASS_FLOP_FACTOR[pass_name] / (ms * 1e-3) / 1e12
+                result = {"ms": ms, "tflops": tflops, "status": "ok", "error": None}
             except Exception as exc:  # noqa: BLE001
                 result = bench.failure(exc, "flash")
             finally:
@@ -82,7 +127,7 @@ def run_cell(args: argparse.Namespace, dtype_name: str, d_head: int, seq_len: in
                 for t in (q, k, v):
                     t.grad = None
                 free_memory()
-            rows.append({**base, "pass": pass_name, **result, "max_abs_diff_vs_sdpa": diff})
+            rows.append({**base, "pass": pass_name, **result, **setup})
         attend = None
         free_memory()
     return rows
@@ -92,20 +137,22 @@ def run(args: argparse.Namespace) -> list[dict]:
     cells = [(dt, d, n) for dt in args.dtypes for d in args.d_heads for n in args.seq_lens]
     if not torch.cuda.is_available():
         return [
-            {"impl": impl, **cell_columns(dt, d, n), "pass": p, **bench.skipped_without_cuda()}
+            {"impl": impl, **cell_columns(args, dt, d, n), "pass": p, **bench.skipped_without_cuda()}
             for dt, d, n in cells
             for impl in args.impls
             for p in args.passes
         ]
     rows = []
     for dtype_name, d_head, seq_len in cells:
+        # FlexAttention compiles per shape: a fresh Dynamo cache per cell keeps its recompile limit out of reach.
+        torch._dynamo.reset()
         rows += run_cell(args, dtype_name, d_head, seq_len, torch.device("cuda"))
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    write_rows(run(args), args.out, vars(args))
+    write_rows(run(args), args.out, {**vars(args), "flop_convention": bench.FLOP_CONVENTION})
 
 
 if __name__ == "__main__":

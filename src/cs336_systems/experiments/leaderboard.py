@@ -70,7 +70,7 @@ def measure_all(args: argparse.Namespace, base: dict, device: torch.device) -> l
     with torch.no_grad():
         reference = bench.sdpa_attention()(q, k, v)
     diff = bench.max_abs_diff(bench.attention("triton", args.seq_len, device), q, k, v, reference)
-    forward_flops = bench.causal_forward_flops(args.seq_len, args.d_head, args.heads)
+    forward_flops = bench.forward_flops(args.seq_len, args.d_head, args.heads)
     rows = []
     for impl, pass_name in MEASUREMENTS:
         bench.log("leaderboard", f"{impl} {pass_name} ...")
