@@ -21,9 +21,8 @@ import triton.language as tl
 # Tidy column -> ncu metric. Durations are read in base units (ns); percentages are of the peak.
 METRICS = {
     "duration_ms": "gpu__time_duration.sum",
-    # Tensor-core pipe busy: wgmma (Hopper's warpgroup matmuls) and mma.sync, as a share of active cycles.
-    "tensor_gmma_pct": "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
-    "tensor_hmma_pct": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    # Tensor-core pipe busy as a share of active cycles (on Hopper this counter includes wgmma).
+    "tensor_pipe_pct": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
     "tensor_ops": "sm__ops_path_tensor_src_bf16_dst_fp32.sum",  # matmul work executed, bf16 in, fp32 out
     "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
     "memory_throughput_pct": "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",

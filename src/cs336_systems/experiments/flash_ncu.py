@@ -5,7 +5,7 @@ workload (`--workload SHAPE`) that tunes and warms both implementations, then pr
 backward of each: our Triton kernels through their launchers (forward; backward = preprocess, dK/dV and dQ
 passes) and `scaled_dot_product_attention` pinned to cuDNN (its forward, and its backward through autograd).
 One row per profiled kernel: the unit (`impl`, `pass`), `kernel`, `duration_ms`, the tensor-core pipe's busy share
-(`tensor_gmma_pct`: wgmma; `tensor_hmma_pct`: mma.sync), the matmul work executed (`tensor_ops`), SM and memory
+(`tensor_pipe_pct`), the matmul work executed (`tensor_ops`), SM and memory
 throughput as shares of peak and which is higher (`bound`), achieved occupancy, registers per thread, block and
 grid size, the two largest stall reasons (warp cycles per issued instruction), and for our kernels the tile
 config the autotuner chose. Without CUDA, or without `ncu` on the PATH, every row is `skipped` with the reason.
