@@ -83,13 +83,7 @@ def flex_attention(seq_len: int, device: torch.device, causal: bool = True) -> A
             lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq_len, seq_len, device=str(device)
         )
     run = torch.compile(flex, dynamic=False) if device.type == "cuda" else flex
-
-    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # Without donated buffers, so that the timed backward may retain the graph of its one forward.
-        with torch._functorch.config.patch(donated_buffer=False):
-            return run(q, k, v, block_mask=block_mask)
-
-    return batched(attend)
+    return batched(lambda q, k, v: run(q, k, v, block_mask=block_mask))
 
 
 def attention(impl: str, seq_len: int, device: torch.device, causal: bool = True) -> Attention:

@@ -142,6 +142,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             for impl in args.impls
             for p in args.passes
         ]
+    # The timed backward reuses one forward's graph (retain_graph), which a compiled backward with donated
+    # buffers (FlexAttention's, under torch.compile) refuses: compile without them in this process.
+    torch._functorch.config.donated_buffer = False
     rows = []
     for dtype_name, d_head, seq_len in cells:
         # FlexAttention compiles per shape: a fresh Dynamo cache per cell keeps its recompile limit out of reach.
