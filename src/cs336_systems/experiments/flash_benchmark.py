@@ -21,6 +21,7 @@ import argparse
 import time
 
 import torch
+import torch._functorch.config
 
 from cs336_systems import cli
 from cs336_systems import flash_benchmarking as bench
