@@ -354,6 +354,27 @@ def test_flash_benchmark_cell_runs_every_pass_on_cpu(monkeypatch):
 
 
 @launches_kernels
+def test_flash_benchmark_many_heads_not_causal_batch_from_tokens(monkeypatch):
+    # The grid against PyTorch's attention: heads, batch = tokens / seq_len, no mask; FLOPs of the full square.
+    import triton.testing
+
+    from cs336_systems.experiments import flash_benchmark
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    argv = ["--seq-lens", "40", "--d-heads", "16", "--dtypes", "float32", "--heads", "2", "--tokens", "130"]
+    args = flash_benchmark.parse_args([*argv, "--no-causal", "--impls", "triton", "sdpa_flash", "--out", "x"])
+    rows = pd.DataFrame(flash_benchmark.run_cell(args, "float32", 16, 40, torch.device("cpu"))).set_index(
+        "impl"
+    )
+    assert (rows["batch_size"] == 3).all() and (rows["heads"] == 2).all() and not rows["causal"].any()
+    ours = rows.loc["triton"].set_index("pass")
+    assert set(ours["status"]) == {"ok"} and (ours["max_abs_diff_vs_sdpa"] < 1e-5).all()
+    assert (ours["first_call_s"] > 0).all()
+    assert ours.loc["forward", "tflops"] == pytest.approx(3 * 4 * 40**2 * 16 * 2 / 1e-3 / 1e12)
+    assert set(rows.loc["sdpa_flash", "status"]) == {"ok"}  # PyTorch has a CPU flash kernel too
+
+
+@launches_kernels
 def test_leaderboard_measurements_run_on_cpu(monkeypatch):
     import triton.testing
 

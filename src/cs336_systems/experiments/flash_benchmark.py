@@ -72,7 +72,8 @@ def first_call_seconds(attend: bench.Attention, q, k, v, do) -> float | None:
     start = time.perf_counter()
     try:
         bench.pass_step(attend, "forward_backward", q, k, v, do)()
-        torch.cuda.synchronize()
+        if q.is_cuda:
+            torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001
         bench.failure(exc, "flash")
         return None

@@ -1,0 +1,232 @@
+"""Our FlashAttention-2 against PyTorch's fastest attention (SDPA's cuDNN and flash backends, compiled
+FlexAttention), and the Nsight Compute profile that says where the time goes."""
+
+from __future__ import annotations
+
+import re
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from cs336_systems.report.context import Context
+from cs336_systems.report.formatting import md, provenance_line, text_md
+
+PEERS = {"triton": "ours", "sdpa_cudnn": "cuDNN", "sdpa_flash": "SDPA flash", "flex": "FlexAttention"}
+PASSES = {"forward": "forward", "backward": "backward", "forward_backward": "fwd+bwd"}
+# At or below this multiple of the sum of its passes timed alone, a forward+backward is bound by the GPU work.
+HOST_BOUND = 1.25
+
+
+def mask(causal: bool) -> str:
+    return "causal" if causal else "not causal"
+
+
+def peers(ctx: Context) -> str:
+    found = ctx.table_or_reason("flash_peers", "The comparison with PyTorch's fastest attention")
+    if isinstance(found, str):
+        return found
+    frame, metas = found
+    ok = frame[frame["status"] == "ok"]
+    wide = ok.pivot_table(
+        index=["causal", "d_head", "seq_len", "batch_size", "pass"], columns="impl", values="ms"
+    )
+    p = metas[0]["params"]
+    out = [
+        provenance_line(metas),
+        "",
+        f"{p['heads']} heads, batch = {p['tokens']:,} tokens / sequence length (at least 1), bf16; "
+        "`triton.testing.do_bench` medians in ms, and each time as a multiple of cuDNN's (below 1: faster). "
+        f"Failed cells: {len(frame) - len(ok)}.",
+    ]
+    for causal in sorted(wide.index.unique("causal"), reverse=True):  # causal first
+        table = wide.xs(causal, level="causal").reset_index()
+        table = table.sort_values(["d_head", "seq_len", "pass"], key=pass_order)
+        for impl in [i for i in PEERS if i != "sdpa_cudnn" and i in table]:
+            if "sdpa_cudnn" in table:
+                table[f"{PEERS[impl]} ÷ cuDNN"] = table[impl] / table["sdpa_cudnn"]
+        table["pass"] = table["pass"].map(PASSES)
+        table = table.rename(columns=PEERS)
+        order = ["d_head", "seq_len", "batch_size", "pass", *[PEERS[i] for i in PEERS if PEERS[i] in table]]
+        out += [
+            "",
+            f"**{mask(causal)}**",
+            "",
+            md(table[order + [c for c in table if "÷" in c]], floatfmt=".3f"),
+        ]
+    out += ["", peer_findings(wide, ok), "", ctx.figure(ratio_figure(wide), f"flash_peers_{ctx.run}", ALT)]
+    return "\n".join(out)
+
+
+ALT = "our FlashAttention-2 and PyTorch's attention backends, time as a multiple of cuDNN's, per sequence length"
+
+
+def pass_order(column: pd.Series) -> pd.Series:
+    """Sort key: forward, backward, forward+backward; other columns as they are."""
+    return column.map(list(PASSES).index) if column.name == "pass" else column
+
+
+def peer_findings(wide: pd.DataFrame, ok: pd.DataFrame) -> str:
+    if not {"triton", "sdpa_cudnn"} <= set(wide.columns):
+        return "_Needs our kernel and cuDNN in the same cells._"
+    ratio = (wide["triton"] / wide["sdpa_cudnn"]).dropna().rename("ratio").reset_index()
+    sentences = []
+    for pass_name in [p for p in PASSES if p in set(ratio["pass"])]:
+        rows = ratio[ratio["pass"] == pass_name]
+        won = rows[rows["ratio"] <= 1]
+        worst = rows.loc[rows["ratio"].idxmax()]
+        sentences.append(
+            f"{PASSES[pass_name].capitalize()}: ours is at or below cuDNN's time in {len(won)} of {len(rows)} "
+            f"cells; ours ÷ cuDNN {rows['ratio'].min():.2f}–{rows['ratio'].max():.2f} (median "
+            f"{rows['ratio'].median():.2f}), worst at d {worst['d_head']}, seq {worst['seq_len']:,}, "
+            f"{mask(worst['causal'])}."
+        )
+    by_d = ratio[ratio["pass"] == "forward_backward"].groupby("d_head")["ratio"].median()
+    sentences.append(
+        "Median forward+backward ratio by head dim: "
+        + ", ".join(f"d {d}: {r:.2f}×" for d, r in by_d.items())
+        + f"; the gap is widest at d {by_d.index.max()}."
+        if len(by_d) > 1 and by_d.idxmax() == by_d.index.max()
+        else ""
+    )
+    for other in ("sdpa_flash", "flex"):
+        if other in wide:
+            fb = (wide[other] / wide["triton"]).xs("forward_backward", level="pass").dropna()
+            if len(fb):
+                sentences.append(
+                    f"Against {PEERS[other]}, ours is {fb.min():.2f}–{fb.max():.2f}× as fast for forward+backward "
+                    f"(faster in {(fb > 1).sum()} of {len(fb)} cells)."
+                )
+    sentences += [host_bound(wide), first_calls(ok)]
+    return " ".join(s for s in sentences if s)
+
+
+def host_bound(wide: pd.DataFrame) -> str:
+    """Cells where our forward+backward takes well over its forward plus its backward timed alone: the host's
+    launch path, not the GPU, sets the pace there (the passes alone overlap their launches with GPU work)."""
+    ours = wide["triton"].unstack("pass").dropna()
+    ours["excess"] = ours["forward_backward"] / (ours["forward"] + ours["backward"])
+    slow = ours[ours["excess"] > HOST_BOUND].reset_index()
+    if slow.empty:
+        return ""
+    cells = "; ".join(
+        f"d {r['d_head']}, seq {r['seq_len']:,} ({mask(r['causal'])}): {r['forward_backward']:.2f} ms against "
+        f"{r['forward']:.2f} + {r['backward']:.2f}"
+        for _, r in slow.iterrows()
+    )
+    return (
+        f"Where our forward+backward exceeds its forward plus its backward timed alone by over "
+        f"{HOST_BOUND - 1:.0%}, the step is bound by the host (Python autograd, the autotuner's lookup and four "
+        f"Triton launches), not by the GPU: {cells}."
+    )
+
+
+def first_calls(ok: pd.DataFrame) -> str:
+    first = ok.groupby("impl")["first_call_s"].max()
+    if "triton" not in first:
+        return ""
+    text = (
+        f"Our first forward+backward in a cell (compiling and autotuning three kernels where the cell opens a new "
+        f"(d, length bucket, mask) tuning key) took at most {first['triton']:.1f} s"
+    )
+    if "flex" in first:
+        text += f"; FlexAttention's first call (compiling) at most {first['flex']:.1f} s"
+    return text + "."
+
+
+def ratio_figure(wide: pd.DataFrame) -> plt.Figure:
+    cells = wide.reset_index()[["causal", "d_head"]].drop_duplicates()
+    panels = list(cells.sort_values(["causal", "d_head"], ascending=[False, True]).itertuples(index=False))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.4), squeeze=False, sharey=True)
+    for ax, (causal, d) in zip(axes.flat, panels, strict=True):
+        cell = wide.xs((causal, d, "forward_backward"), level=("causal", "d_head", "pass")).droplevel(
+            "batch_size"
+        )
+        for impl in [i for i in PEERS if i != "sdpa_cudnn" and i in cell]:
+            ax.plot(cell.index, cell[impl] / cell["sdpa_cudnn"], marker="o", label=PEERS[impl])
+        ax.axhline(1, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set(title=f"d {d}, {mask(causal)}", xlabel="sequence length")
+    axes.flat[0].set_ylabel("fwd+bwd time ÷ cuDNN's")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Nsight Compute
+# ----------------------------------------------------------------------------------------------------------
+def short_kernel(name: str) -> str:
+    """cuDNN's generated names carry their tile knobs; keep what says what the kernel does."""
+    if name.startswith("cudnn_generated"):
+        return "cuDNN " + ("fprop" if "fprop" in name else "bprop" if "bprop" in name else "kernel")
+    return re.split(r"[<(]", name.removeprefix("void "))[0]
+
+
+def kernel_profile(ctx: Context) -> str:
+    found = ctx.table_or_reason("flash_ncu", "The Nsight Compute profile")
+    if isinstance(found, str):
+        return found
+    frame, metas = found
+    ok = frame[frame["status"] == "ok"].copy()
+    out = [provenance_line(metas), ""]
+    if ok.empty:
+        return "\n".join(out + [f"No kernel was profiled: {frame['error'].dropna().iloc[0]}"])
+    ok["shape"] = ok.apply(lambda r: f"{r['batch_size']}×{r['heads']}×{r['seq_len']:,}×{r['d_head']}", axis=1)
+    ok["kernel"] = ok["kernel"].map(short_kernel)
+    ok["impl"] = ok["impl"].map(PEERS)
+    ok["top stalls"] = ok.apply(lambda r: f"{r['stall_1']} {r['stall_1_cycles']:.2f}, {r['stall_2']} "
+                                f"{r['stall_2_cycles']:.2f}", axis=1)  # fmt: skip
+    shown = ok[["shape", "impl", "pass", "kernel", "duration_ms", "tensor_pipe_pct", "sm_throughput_pct",
+                "memory_throughput_pct", "achieved_occupancy_pct", "registers_per_thread", "block_size",
+                "grid_size", "top stalls"]].copy()  # fmt: skip
+    for column, fmt in {"duration_ms": "{:.3f}", "registers_per_thread": "{:.0f}", "block_size": "{:.0f}",
+                        "grid_size": "{:,.0f}"}.items():  # fmt: skip
+        shown[column] = shown[column].map(fmt.format)
+    for column in ("tensor_pipe_pct", "sm_throughput_pct", "memory_throughput_pct", "achieved_occupancy_pct"):
+        shown[column] = shown[column].map("{:.1f}".format)
+    shown.columns = ["shape (B×H×N×d)", "impl", "pass", "kernel", "ms (ncu)", "tensor pipe %", "SM %", "memory %",
+                     "occupancy %", "registers", "threads", "CTAs", "top stalls (cycles per issue)"]  # fmt: skip
+    out += [
+        "One forward and one backward per implementation, causal, bf16, profiled by `ncu` at the clocks the "
+        "benchmarks run at. Tensor pipe: the share of active cycles the tensor cores were busy (on Hopper the "
+        "counter includes wgmma); SM and memory: throughput as a share of peak; stalls: warp cycles per issued "
+        "instruction, the two largest reasons.",
+        "",
+        text_md(shown),
+        "",
+        profile_findings(ok),
+    ]
+    return "\n".join(out)
+
+
+def profile_findings(ok: pd.DataFrame) -> str:
+    sentences = []
+    for shape, rows in ok.groupby("shape", sort=False):
+        units = rows.groupby(["impl", "pass"]).agg(ms=("duration_ms", "sum"), ops=("tensor_ops", "sum"))
+        main = rows.loc[rows.groupby(["impl", "pass"])["duration_ms"].idxmax()].set_index(["impl", "pass"])
+        if not {
+            ("ours", "forward"),
+            ("cuDNN", "forward"),
+            ("ours", "backward"),
+            ("cuDNN", "backward"),
+        } <= set(units.index):
+            continue
+        ours_f, cudnn_f = main.loc[("ours", "forward")], main.loc[("cuDNN", "forward")]
+        sentences.append(
+            f"At {shape}, forward: ours keeps the tensor pipe busy {ours_f['tensor_pipe_pct']:.0f} % of the time "
+            f"(CTAs of {ours_f['block_size']:.0f} threads at {ours_f['registers_per_thread']:.0f} registers each, "
+            f"{ours_f['achieved_occupancy_pct']:.1f} % occupancy, top stall {ours_f['stall_1']}) against cuDNN's "
+            f"{cudnn_f['tensor_pipe_pct']:.0f} % ({cudnn_f['block_size']:.0f} threads at "
+            f"{cudnn_f['registers_per_thread']:.0f} registers, a persistent grid of {cudnn_f['grid_size']:.0f} "
+            f"CTAs): {units.loc[('ours', 'forward'), 'ms'] / units.loc[('cuDNN', 'forward'), 'ms']:.2f}× its time."
+        )
+        work = units.loc[("ours", "backward"), "ops"] / units.loc[("cuDNN", "backward"), "ops"]
+        rate = (units.loc[("ours", "backward"), "ops"] / units.loc[("ours", "backward"), "ms"]) / (
+            units.loc[("cuDNN", "backward"), "ops"] / units.loc[("cuDNN", "backward"), "ms"]
+        )
+        sentences.append(
+            f"Backward: ours executes {work:.2f}× cuDNN's tensor-core work (our atomic-free dQ pass recomputes "
+            f"Q Kᵀ and dO Vᵀ: 7 matmuls of the N² d kind against 5) at {rate:.2f}× its rate, so it takes "
+            f"{work / rate:.2f}× its time."
+        )
+    return " ".join(sentences)
