@@ -109,8 +109,6 @@ def run_cell(args: argparse.Namespace, dtype_name: str, d_head: int, seq_len: in
             failed = bench.failure(exc, "flash")
             rows += [{**base, "pass": p, **failed, "max_abs_diff_vs_sdpa": None} for p in args.passes]
             attend = None
-            for t in (q, k, v):
-                t.grad = None
             free_memory()
             continue
         for pass_name in args.passes:
