@@ -15,6 +15,7 @@ PEERS = {"triton": "ours", "sdpa_cudnn": "cuDNN", "sdpa_flash": "SDPA flash", "f
 PASSES = {"forward": "forward", "backward": "backward", "forward_backward": "fwd+bwd"}
 # At or below this multiple of the sum of its passes timed alone, a forward+backward is bound by the GPU work.
 HOST_BOUND = 1.25
+ALT = "our FlashAttention-2 and PyTorch's attention backends, time as a multiple of cuDNN's, per sequence length"
 
 
 def mask(causal: bool) -> str:
@@ -31,12 +32,12 @@ def peers(ctx: Context) -> str:
         index=["causal", "d_head", "seq_len", "batch_size", "pass"], columns="impl", values="ms"
     )
     p = metas[0]["params"]
+    batch = f"batch = {p['tokens']:,} tokens / sequence length (at least 1)" if p.get("tokens") else "batch 1"
     out = [
         provenance_line(metas),
         "",
-        f"{p['heads']} heads, batch = {p['tokens']:,} tokens / sequence length (at least 1), bf16; "
-        "`triton.testing.do_bench` medians in ms, and each time as a multiple of cuDNN's (below 1: faster). "
-        f"Failed cells: {len(frame) - len(ok)}.",
+        f"{p['heads']} heads, {batch}, bf16; `triton.testing.do_bench` medians in ms, and each time as a multiple "
+        f"of cuDNN's (below 1: faster). Failed measurements: {len(frame) - len(ok)}.",
     ]
     for causal in sorted(wide.index.unique("causal"), reverse=True):  # causal first
         table = wide.xs(causal, level="causal").reset_index()
@@ -55,9 +56,6 @@ def peers(ctx: Context) -> str:
         ]
     out += ["", peer_findings(wide, ok), "", ctx.figure(ratio_figure(wide), f"flash_peers_{ctx.run}", ALT)]
     return "\n".join(out)
-
-
-ALT = "our FlashAttention-2 and PyTorch's attention backends, time as a multiple of cuDNN's, per sequence length"
 
 
 def pass_order(column: pd.Series) -> pd.Series:
@@ -81,13 +79,9 @@ def peer_findings(wide: pd.DataFrame, ok: pd.DataFrame) -> str:
             f"{mask(worst['causal'])}."
         )
     by_d = ratio[ratio["pass"] == "forward_backward"].groupby("d_head")["ratio"].median()
-    sentences.append(
-        "Median forward+backward ratio by head dim: "
-        + ", ".join(f"d {d}: {r:.2f}×" for d, r in by_d.items())
-        + f"; the gap is widest at d {by_d.index.max()}."
-        if len(by_d) > 1 and by_d.idxmax() == by_d.index.max()
-        else ""
-    )
+    if len(by_d) > 1:
+        medians = ", ".join(f"d {d}: {r:.2f}×" for d, r in by_d.items())
+        sentences.append(f"Median forward+backward ratio by head dim: {medians}; widest at d {by_d.idxmax()}.")
     for other in ("sdpa_flash", "flex"):
         if other in wide:
             fb = (wide[other] / wide["triton"]).xs("forward_backward", level="pass").dropna()
