@@ -20,6 +20,7 @@ SECTIONS = [
     ("1.2.1 PyTorch attention", "attention"),
     ("1.3.1 torch.compile", "torch_compile"),
     ("1.3.2–1.3.4 FlashAttention-2", "flash"),
+    ("FlashAttention-2 against PyTorch's fastest attention", "flash_peers"),
     ("2.1.3 All-reduce benchmark", "allreduce"),
     ("2.2–2.3 Distributed data parallel training", "ddp"),
     ("2.4 Communication accounting", "communication_accounting"),

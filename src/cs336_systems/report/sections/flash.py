@@ -1,4 +1,4 @@
-"""§1.3.2–1.3.4: FlashAttention-2 in Triton against naive PyTorch attention and SDPA, the leaderboard timing, and\nthe comparison with PyTorch's fastest attention with its kernel profile (flash_peers.py)."""
+"""§1.3.2–1.3.4: FlashAttention-2 in Triton against naive PyTorch attention and SDPA, and the leaderboard timing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pandas as pd
 
 from cs336_systems.report.context import Context
 from cs336_systems.report.formatting import md, provenance_line
-from cs336_systems.report.sections import flash_peers
 
 PASSES = ["forward", "backward", "forward_backward"]
 IMPLS = {"triton": "ours (Triton)", "pytorch_naive": "naive PyTorch", "sdpa": "SDPA"}
@@ -19,8 +18,6 @@ def render(ctx: Context) -> str:
         [
             f"### Benchmark grid (flash_benchmarking)\n\n{benchmark(ctx)}",
             f"### Leaderboard (spec §1.3.3)\n\n{leaderboard(ctx)}",
-            f"### Against PyTorch's fastest attention\n\n{flash_peers.peers(ctx)}",
-            f"### Where the time goes: Nsight Compute\n\n{flash_peers.kernel_profile(ctx)}",
         ]
     )
 

@@ -18,6 +18,15 @@ HOST_BOUND = 1.25
 ALT = "our FlashAttention-2 and PyTorch's attention backends, time as a multiple of cuDNN's, per sequence length"
 
 
+def render(ctx: Context) -> str:
+    return "\n\n".join(
+        [
+            f"### Time against SDPA's cuDNN and flash backends and FlexAttention\n\n{peers(ctx)}",
+            f"### Where the time goes: Nsight Compute\n\n{kernel_profile(ctx)}",
+        ]
+    )
+
+
 def mask(causal: bool) -> str:
     return "causal" if causal else "not causal"
 
