@@ -71,6 +71,10 @@ rule flash_peers:
     params:
         seq_lens=listed(PEERS["seq_lens"]),
         impls=listed(PEERS["impls"]),
+        heads=PEERS["heads"],
+        tokens=PEERS["tokens"],
+        warmup_ms=PEERS["warmup_ms"],
+        rep_ms=PEERS["rep_ms"],
         causal=lambda w: "--causal" if w.mask == "causal" else "--no-causal",
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/flash_peers/{w.mask}_d{w.d_head}.csv"),
     threads: NEEDS["model"].threads
@@ -83,9 +87,9 @@ rule flash_peers:
     shell:
         "pin_gpus {resources.gpu}; "
         "python -m cs336_systems.experiments.flash_benchmark --seq-lens {params.seq_lens} "
-        "--d-heads {wildcards.d_head} --dtypes bfloat16 --heads " + str(PEERS["heads"]) + " --tokens "
-        + str(PEERS["tokens"]) + " {params.causal} --impls {params.impls} --warmup-ms " + str(PEERS["warmup_ms"])
-        + " --rep-ms " + str(PEERS["rep_ms"]) + " --out {output.csv} 2> {log}"
+        "--d-heads {wildcards.d_head} --dtypes bfloat16 --heads {params.heads} --tokens {params.tokens} "
+        "{params.causal} --impls {params.impls} --warmup-ms {params.warmup_ms} --rep-ms {params.rep_ms} "
+        "--out {output.csv} 2> {log}"
 
 
 rule flash_ncu:
