@@ -90,7 +90,9 @@ def peer_findings(wide: pd.DataFrame, ok: pd.DataFrame) -> str:
     by_d = ratio[ratio["pass"] == "forward_backward"].groupby("d_head")["ratio"].median()
     if len(by_d) > 1:
         medians = ", ".join(f"d {d}: {r:.2f}×" for d, r in by_d.items())
-        sentences.append(f"Median forward+backward ratio by head dim: {medians}; widest at d {by_d.idxmax()}.")
+        sentences.append(
+            f"Median forward+backward ratio by head dim: {medians}; widest at d {by_d.idxmax()}."
+        )
     for other in ("sdpa_flash", "flex"):
         if other in wide:
             fb = (wide[other] / wide["triton"]).xs("forward_backward", level="pass").dropna()
@@ -165,6 +167,24 @@ def short_kernel(name: str) -> str:
     return re.split(r"[<(]", name.removeprefix("void "))[0]
 
 
+# Profile table: column -> (heading, format).
+PROFILE_COLUMNS = {
+    "shape": ("shape (B×H×N×d)", "{}"),
+    "impl": ("impl", "{}"),
+    "pass": ("pass", "{}"),
+    "kernel": ("kernel", "{}"),
+    "duration_ms": ("ms (ncu)", "{:.3f}"),
+    "tensor_pipe_pct": ("tensor pipe %", "{:.1f}"),
+    "sm_throughput_pct": ("SM %", "{:.1f}"),
+    "memory_throughput_pct": ("memory %", "{:.1f}"),
+    "achieved_occupancy_pct": ("occupancy %", "{:.1f}"),
+    "registers_per_thread": ("registers", "{:.0f}"),
+    "block_size": ("threads", "{:.0f}"),
+    "grid_size": ("CTAs", "{:,.0f}"),
+    "top stalls": ("top stalls (cycles per issue)", "{}"),
+}
+
+
 def kernel_profile(ctx: Context) -> str:
     found = ctx.table_or_reason("flash_ncu", "The Nsight Compute profile")
     if isinstance(found, str):
@@ -179,16 +199,9 @@ def kernel_profile(ctx: Context) -> str:
     ok["impl"] = ok["impl"].map(PEERS)
     ok["top stalls"] = ok.apply(lambda r: f"{r['stall_1']} {r['stall_1_cycles']:.2f}, {r['stall_2']} "
                                 f"{r['stall_2_cycles']:.2f}", axis=1)  # fmt: skip
-    shown = ok[["shape", "impl", "pass", "kernel", "duration_ms", "tensor_pipe_pct", "sm_throughput_pct",
-                "memory_throughput_pct", "achieved_occupancy_pct", "registers_per_thread", "block_size",
-                "grid_size", "top stalls"]].copy()  # fmt: skip
-    for column, fmt in {"duration_ms": "{:.3f}", "registers_per_thread": "{:.0f}", "block_size": "{:.0f}",
-                        "grid_size": "{:,.0f}"}.items():  # fmt: skip
-        shown[column] = shown[column].map(fmt.format)
-    for column in ("tensor_pipe_pct", "sm_throughput_pct", "memory_throughput_pct", "achieved_occupancy_pct"):
-        shown[column] = shown[column].map("{:.1f}".format)
-    shown.columns = ["shape (B×H×N×d)", "impl", "pass", "kernel", "ms (ncu)", "tensor pipe %", "SM %", "memory %",
-                     "occupancy %", "registers", "threads", "CTAs", "top stalls (cycles per issue)"]  # fmt: skip
+    shown = pd.DataFrame(
+        {label: ok[column].map(fmt.format) for column, (label, fmt) in PROFILE_COLUMNS.items()}
+    )
     out += [
         "One forward and one backward per implementation, causal, bf16, profiled by `ncu` at the clocks the "
         "benchmarks run at. Tensor pipe: the share of active cycles the tensor cores were busy (on Hopper the "
