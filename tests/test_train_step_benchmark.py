@@ -93,6 +93,28 @@ def test_compiled_checkpointed_blocks_compute_what_eager_ones_do(stack: str):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@launches_kernels
+def test_float32_master_weights_keep_the_updates_bf16_weights_lose():
+    """ours_fp32_master in a bf16 run: float32 weights, gradients and AdamW state, the loss of the float32 model up to
+    bf16 compute, and every weight moved by a step, where ours's bf16 norm weights (all 1.0, spacing 2^-7 there)
+    lose their update of about the learning rate."""
+    fp32_loss = one_step("plain")[0]
+    moved = {}
+    for stack in ("ours", "ours_fp32_master"):
+        train = TrainStep(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.bfloat16, compile_blocks=False,
+                          head_chunk=16)
+        before = {n: p.detach().clone() for n, p in train.model.named_parameters()}
+        loss = train.step()
+        moved[stack] = {n: (p.detach() != before[n]).float().mean().item() for n, p in train.model.named_parameters()}
+        if stack == "ours_fp32_master":
+            assert {p.dtype for p in train.model.parameters()} == {torch.float32}
+            assert {p.grad.dtype for p in train.model.parameters()} == {torch.float32}
+            assert loss.item() == pytest.approx(fp32_loss, rel=2e-3)
+    norms = [n for n in moved["ours"] if "norm" in n]
+    assert norms and all(moved["ours"][n] == 0 for n in norms)
+    assert all(fraction == 1 for fraction in moved["ours_fp32_master"].values())
+
+
 def test_model_flops_is_the_handouts_formula():
     dims = {"d_model": 4096, "d_ff": 11_008, "vocab_size": 151_936}
     per_layer = 6 * 32_768 * (4 * 4096**2 + 3 * 4096 * 11_008) + 6 * 32_768**2 * 4096
@@ -113,6 +135,8 @@ def test_cli_writes_cells_and_the_per_layer_fit(tmp_path: Path):
     rows = pd.read_csv(out)
     cells, fits = rows[rows["kind"] == "cell"], rows[rows["kind"] == "fit"].set_index("stack")
     assert len(cells) == 4 and (cells["status"] == "ok").all() and (cells["step_ms"] > 0).all()
+    assert (cells["weights"] == "float32").all()
+    assert (cells["updated_fraction"] == 1).all()  # float32 weights keep every update, weight decay's too
     for stack, ran in cells.groupby("stack"):
         two, one = ran.set_index("num_layers")["step_ms"].loc[[2, 1]]
         assert fits.loc[stack, "per_layer_ms"] == pytest.approx(two - one)

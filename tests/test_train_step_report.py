@@ -109,3 +109,19 @@ def test_our_attentions_worth_in_the_sharded_step(tmp_path):
     text = sharded(tmp_path, [cell("native_fsdp", 4689.0, 131_000, 0.51), cell("ours_fsdp", 5136.0, 131_000, 0.47),
                               cell("ours_fsdp_sdpa", 4603.0, 131_000, 0.52)])
     assert "Our FlashAttention against SDPA's, the rest of ours the same: +0.53 s per step at 34 layers on 2 ranks (+11.6%)" in text
+
+
+def test_what_float32_master_weights_keep(tmp_path):
+    """The one-GPU table's stack and cell columns, and the sentence on the updates bf16 weights lose."""
+    base = {"kind": "cell", "attention": "flash_triton", "head": "fused", "checkpoint": "selective", "compiled": True,
+            "batch_size": 1, "peak_mib": 1024.0, "mfu": 0.5, "status": "ok", "reason": ""}
+    rows = [base | {"stack": stack, "num_layers": layers, "step_ms": 100.0 * layers + extra, "weights": weights,
+                    "updated_fraction": fraction}
+            for stack, weights, extra, fraction in (("ours", "bfloat16", 0, 0.25), ("ours_fp32_master", "float32", 50, 1.0))
+            for layers in (2, 4)]
+    params = {**PARAMS, "num_layers": [2, 4], "stacks": ["ours", "ours_fp32_master"], "warmup_ms": 1, "rep_ms": 1}
+    write_rows(pd.DataFrame(rows), tmp_path / "results/train_step/all.csv", params)
+    text = train_step.render(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
+    assert "float32, compute in bfloat16 (autocast)" in text
+    assert "| 25.0%" in text and "| 100.0%" in text
+    assert "changes 25.0% of ours's bf16 weights and 100.0% of the float32 master weights at 4 layers" in text

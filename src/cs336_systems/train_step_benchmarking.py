@@ -11,11 +11,14 @@ A stack says how the same model is run (`STACKS`):
 - `ours`: the same with our FlashAttention (Triton) and our fused LM head + cross-entropy (Triton,
   cs336_systems.fused_cross_entropy), and the `ours_*` variants that put one PyTorch piece back, so the writeup
   shows what each of ours is worth;
+- `ours_fp32_master`: ours with float32 master weights: weights, gradients and AdamW state in float32, the step's
+  forward and backward under autocast to the run's dtype (the matmuls and our kernels in bf16);
 - `*_fsdp`: the stack sharded over the ranks of the process group, each rank training on its own sequences:
   `native_fsdp` with PyTorch's FSDP2 (`fully_shard` on every block, the head and the root), `ours_fsdp` with our
   FullyShardedDataParallel (a compiled block, the head and the embedding as units, hooks outside the compiled
   code; cs336_systems.fsdp), `plain_fsdp` the naive baseline under ours.
-Weights, gradients and AdamW state are in the run's dtype (bf16 in the leaderboard's config), sharded or not.
+Weights, gradients and AdamW state are in the run's dtype (bf16 in the leaderboard's config), sharded or not,
+except under `fp32_master`.
 The model runs as a `LossModel` (tokens, targets -> summed loss), whose `head` module holds the LM head and the
 loss, so that a sharding wrapper gathers the head's weight around the loss that uses it.
 
@@ -25,6 +28,7 @@ MFU counts model FLOPs only (recomputation is not counted): per sequence of T to
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -55,6 +59,7 @@ class Stack:
     compile_blocks: bool  # torch.compile each (checkpointed) block
     fused_adamw: bool  # torch.optim.AdamW(fused=True) on CUDA
     sharding: str = "none"  # none, ours (our FSDP) or fsdp2 (PyTorch's fully_shard): over the process group
+    fp32_master: bool = False  # float32 weights, gradients and AdamW state; compute under autocast to the run's dtype
 
 
 STACKS = {
@@ -65,6 +70,9 @@ STACKS = {
     "ours_chunked_head": Stack("flash_triton", "chunked", "selective", compile_blocks=True, fused_adamw=True),
     # no recomputation at all: the bound checkpointing pays against, where the activations fit
     "ours_no_checkpoint": Stack("flash_triton", "fused", "none", compile_blocks=True, fused_adamw=True),
+    # what mixed precision's usual float32 master weights cost against the leaderboard's all-bf16 state
+    "ours_fp32_master": Stack("flash_triton", "fused", "selective", compile_blocks=True, fused_adamw=True,
+                              fp32_master=True),
     # sharded over the process group's ranks (the leaderboard's two GPUs)
     "plain_fsdp": Stack("naive", "eager", "none", compile_blocks=False, fused_adamw=False, sharding="ours"),
     "native_fsdp": Stack("sdpa", "chunked", "selective", compile_blocks=True, fused_adamw=True, sharding="fsdp2"),
@@ -99,6 +107,9 @@ class LossHead(nn.Module):
         if self.kind == "eager":
             return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
         if self.kind == "fused":
+            if torch.is_autocast_enabled(h.device.type):  # autocast does not reach our kernel: cast as it would
+                dtype = torch.get_autocast_dtype(h.device.type)
+                h, weight = h.to(dtype), weight.to(dtype)
             return fused_linear_cross_entropy(h, weight, targets, chunk=self.chunk, reduction="sum")
         return sum(checkpoint(_chunk_loss, h[i : i + self.chunk], weight, targets[i : i + self.chunk],
                               use_reentrant=False) for i in range(0, h.shape[0], self.chunk))
@@ -124,12 +135,12 @@ class LossModel(nn.Module):
 
 def build_model(stack: Stack, dims: dict, device: torch.device, dtype: torch.dtype, compile_blocks: bool,
                 head_chunk: int) -> LossModel:
-    """The model of `dims` (LEADERBOARD's keys) in `dtype` on `device` (built there: an 8B model's fp32
-    initialisation would take minutes on the CPU), its blocks run as the stack says."""
+    """The model of `dims` (LEADERBOARD's keys) in `dtype` (float32 under `fp32_master`) on `device` (built there:
+    an 8B model's fp32 initialisation would take minutes on the CPU), its blocks run as the stack says."""
     selective = stack.checkpoint in checkpointing.SELECTIVE and compile_blocks
     cfg = ModelConfig(**dims, attention=stack.attention, checkpoint="none" if selective else stack.checkpoint)
     with torch.device(device):
-        lm = TransformerLM(cfg).to(dtype=dtype)
+        lm = TransformerLM(cfg).to(dtype=torch.float32 if stack.fp32_master else dtype)
     if compile_blocks:
         blocks = [_CheckpointedBlock(b, stack.checkpoint) if selective else b for b in lm.blocks]
         lm.blocks = nn.ModuleList(torch.compile(b) for b in blocks)
@@ -170,9 +181,13 @@ class TrainStep:
         g = torch.Generator(device="cpu").manual_seed(seed + rank)
         ids = torch.randint(dims["vocab_size"], (batch_size, dims["context_length"] + 1), generator=g).to(device)
         self.tokens, self.targets = ids[:, :-1], ids[:, 1:]
+        # Under fp32_master the forward (and so the backward) computes in the run's dtype.
+        mixed = stack.fp32_master and dtype != torch.float32
+        self.autocast = torch.autocast(device.type, dtype=dtype) if mixed else contextlib.nullcontext()
 
     def loss(self) -> torch.Tensor:
-        return self.model(self.tokens, self.targets)
+        with self.autocast:
+            return self.model(self.tokens, self.targets)
 
     def sync_gradients(self) -> None:
         """Our FSDP's reductions finish here (FSDP2's inside backward); then each shard holds the average over

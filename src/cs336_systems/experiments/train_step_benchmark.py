@@ -9,7 +9,9 @@ bf16; `--num-layers` sets the depths measured (the leaderboard has 34). Per (sta
 `--warmup-ms`, over `--rep-ms`; wall-clock median of `--steps` steps on the CPU), the allocator's peak, model
 TFLOP and MFU; an out-of-memory cell is an `OOM` row. Then per stack measured at two depths or more, a `fit` row:
 per-layer time = the least-squares slope of step time over depth, and the extrapolation to
-`--extrapolate-layers` layers = intercept + slope × layers, labelled as such. With `--components`, one more
+`--extrapolate-layers` layers = intercept + slope × layers, labelled as such. On one device, one more step per cell
+gives `updated_fraction`, the share of the weights it changes: an AdamW update of about the learning rate is lost
+on a bf16 weight more than ~256x its size, which float32 master weights keep. With `--components`, one more
 profiled step per cell gives `component` rows: its kernels' time by component (attention, head + loss,
 optimizer, matmul, the rest; train_step_benchmarking.COMPONENTS).
 
@@ -62,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=cli.positive_int, nargs="+", required=True, help="depths to measure")
     p.add_argument("--batch-size", type=cli.positive_int, default=1, help="sequences per step (on this GPU)")
     p.add_argument("--stacks", nargs="+", choices=list(STACKS), default=["plain", "native", "ours"])
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="weights, gradients, AdamW state")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
+                   help="weights, gradients, AdamW state (a *_fp32_master stack's compute)")
     p.add_argument("--head-chunk", type=cli.positive_int, default=8192, help="tokens per LM-head chunk")
     p.add_argument("--no-compile", action="store_true", help="run every stack's blocks eagerly")
     p.add_argument("--warmup-ms", type=cli.positive_int, default=3000, help="CUDA: do_bench warm-up")
@@ -133,14 +136,26 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
     waits = {}
+    updated = {}
+    if not dist.is_initialized():  # a step that fit may still find no room for the copy: then no fraction
+        fraction = or_oom(lambda: updated_fraction(train))
+        updated["updated_fraction"] = float("nan") if fraction == "OOM" else fraction
     if ours:
         stats = [record.stats() for record in records[-args.steps :]]
         waits = {f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3 for key in ("gather_wait", "sync_wait")}
     if dist.is_initialized():  # the largest rank's
         peak, *waits_max = (max(values) for values in zip(*gather_to_all([peak, *waits.values()]), strict=True))
         waits = dict(zip(waits, waits_max, strict=True))
-    return {"step_ms": step_ms, "peak_mib": peak, **waits,
+    return {"step_ms": step_ms, "peak_mib": peak, **waits, **updated,
             "components": component_times(train, device) if args.components else {}}
+
+
+def updated_fraction(train: TrainStep) -> float:
+    """The share of the weights that one more step changes (after the peak is read: it holds a copy of them)."""
+    before = [p.detach().clone() for p in train.model.parameters()]
+    train.step()
+    changed = sum(int((p.detach() != old).sum()) for p, old in zip(train.model.parameters(), before, strict=True))
+    return changed / sum(old.numel() for old in before)
 
 
 def gather_to_all(values: list[float]) -> list[list[float]]:
@@ -159,7 +174,8 @@ def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torc
            "num_layers": num_layers, "d_model": args.d_model,
            "d_ff": args.d_ff, "num_heads": args.num_heads, "vocab_size": args.vocab_size,
            "context_length": args.context_length, "batch_size": args.batch_size, "dtype": args.dtype,
-           "model_tflop": flops / 1e12, "step_ms": float("nan"), "peak_mib": float("nan"), "mfu": float("nan"),
+           "weights": "float32" if s.fp32_master else args.dtype, "model_tflop": flops / 1e12,
+           "step_ms": float("nan"), "peak_mib": float("nan"), "mfu": float("nan"),
            "status": "ok", "reason": ""}
     if result == "OOM":
         return row | {"status": "OOM", "reason": "out of memory"}

@@ -16,6 +16,7 @@ LABEL = {
     "ours_sdpa": "ours with SDPA's attention",
     "ours_chunked_head": "ours with PyTorch's chunked head",
     "ours_no_checkpoint": "ours without checkpointing",
+    "ours_fp32_master": "ours with float32 master weights",
     "native_fsdp": "PyTorch-native stack under FSDP2 (`fully_shard` per block, head and root)",
     "ours_fsdp": "ours under our FSDP (compiled blocks, head and embedding as units)",
     "ours_fsdp_sdpa": "ours under our FSDP with SDPA's attention",
@@ -50,15 +51,16 @@ def render(ctx: Context) -> str:
         provenance_line(metas),
         f"Model: d_model {p['d_model']}, d_ff {p['d_ff']}, {p['num_heads']} heads, vocabulary {p['vocab_size']:,}, "
         f"context {p['context_length']:,}; {p['batch_size']} sequence(s) per step, weights, gradients and AdamW "
-        f"state in {p['dtype']}. Each cell builds a fresh model and times the spec's whole step "
+        f"state in {p['dtype']} unless the stack table says otherwise. Each cell builds a fresh model and times the spec's whole step "
         "(`zero_grad(set_to_none=True)`, forward, summed cross-entropy, backward, `optimizer.step()`): "
         f"{timing}. Peak: `torch.cuda.max_memory_allocated` over the cell. MFU counts model FLOPs only, "
         "6·T·(L·(4d² + 3·d·d_ff) + d·V) + L·6·T²·d per sequence, over the GPU's dense bf16 peak.",
         "",
-        text_md(stack_table(cells, stacks)),
+        text_md(stack_table(cells, stacks, p["dtype"])),
         "",
         text_md(cell_table(cells, stacks)),
         "",
+        *((lost, "") if (lost := updates_lost(cells)) else ()),
     ]
     if len(fits):
         out += [
@@ -112,28 +114,36 @@ def components_text(ctx: Context) -> str:
     return "\n".join(text)
 
 
-def stack_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
+def stack_table(cells: pd.DataFrame, stacks: list[str], dtype: str) -> pd.DataFrame:
     first = cells.drop_duplicates("stack").set_index("stack").loc[stacks]
+    # Tables written before the `weights` column hold the run's dtype throughout.
+    weights = first["weights"].fillna(dtype) if "weights" in first else pd.Series(dtype, index=first.index)
     return pd.DataFrame({
         "stack": [LABEL.get(s, s) for s in stacks],
         "attention": first["attention"].tolist(),
         "LM head + loss": [HEAD.get(h, h) for h in first["head"]],
         "checkpointing": first["checkpoint"].tolist(),
         "blocks compiled": ["yes" if str(c) == "True" else "no" for c in first["compiled"]],
+        "weights, gradients, AdamW state": [w if w == dtype else f"{w}, compute in {dtype} (autocast)"
+                                            for w in weights],
     })
 
 
 def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
     rows = []
+    updated = cells.get("updated_fraction")
     for stack in stacks:
         for _, c in cells[cells["stack"] == stack].sort_values("num_layers").iterrows():
             ok = c["status"] == "ok"
-            rows.append({
+            row = {
                 "stack": LABEL.get(stack, stack), "layers": str(int(c["num_layers"])),
                 "step (ms)": f"{c['step_ms']:,.1f}" if ok else c["status"],
                 "peak (GiB)": f"{c['peak_mib'] / 1024:,.1f}" if ok and pd.notna(c["peak_mib"]) else "—",
                 "MFU": f"{c['mfu']:.1%}" if ok and pd.notna(c["mfu"]) else "—",
-            })
+            }
+            if updated is not None and updated.notna().any():
+                row["weights a step changes"] = f"{c['updated_fraction']:.1%}" if pd.notna(c["updated_fraction"]) else "—"
+            rows.append(row)
     return pd.DataFrame(rows)
 
 
@@ -161,7 +171,9 @@ def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame) -> str:
         peak = cells[cells["num_layers"] == deepest].set_index("stack")["peak_mib"] / 1024
         for variant, piece in (("ours_sdpa", "Our FlashAttention, against SDPA's"),
                                ("ours_chunked_head", "Our fused head + loss, against PyTorch's chunked one"),
-                               ("ours_no_checkpoint", "Selective checkpointing, against none")):
+                               ("ours_no_checkpoint", "Selective checkpointing, against none"),
+                               ("ours_fp32_master", "bf16 weights, gradients and AdamW state, against float32 "
+                                                    "master weights")):
             if variant not in fits.index:
                 continue
             other = fits.loc[variant]
@@ -176,6 +188,23 @@ def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame) -> str:
                  f"({fits.loc[fastest, 'mfu']:.1%} MFU)." if pd.notna(fits.loc[fastest, "mfu"]) else
                  f"Fastest extrapolated step: {LABEL.get(fastest, fastest)}, {fits.loc[fastest, 'step_ms'] / 1e3:.2f} s.")
     return "\n\n".join(parts)
+
+
+def updates_lost(cells: pd.DataFrame) -> str | None:
+    """What float32 master weights keep: the share of the weights one step changes, ours (bf16) against ours with
+    float32 master weights, at the deepest depth both measured."""
+    if "updated_fraction" not in cells:
+        return None
+    fraction = cells.dropna(subset=["updated_fraction"]).set_index(["stack", "num_layers"])["updated_fraction"]
+    shared = sorted({n for s, n in fraction.index if s == "ours"} & {n for s, n in fraction.index
+                                                                     if s == "ours_fp32_master"})
+    if not shared:
+        return None
+    layers = shared[-1]
+    bf16, fp32 = fraction[("ours", layers)], fraction[("ours_fp32_master", layers)]
+    return (f"One more AdamW step after the timing changes {bf16:.1%} of ours's bf16 weights and {fp32:.1%} of the "
+            f"float32 master weights at {layers} layers: AdamW (weight decay included) moves every nonzero weight, "
+            "so a bf16 weight it leaves unchanged had its update rounded away.")
 
 
 def signed(x: float, fmt: str = ".1f") -> str:
