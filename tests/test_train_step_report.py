@@ -124,4 +124,4 @@ def test_what_float32_master_weights_keep(tmp_path):
     text = train_step.render(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
     assert "float32, compute in bfloat16 (autocast)" in text
     assert "| 25.0%" in text and "| 100.0%" in text
-    assert "changes 25.0% of ours's bf16 weights and 100.0% of the float32 master weights at 4 layers" in text
+    assert "changes 25.0% of the bf16 weights of ours and 100.0% of the float32 master weights at 4 layers" in text

@@ -202,8 +202,8 @@ def updates_lost(cells: pd.DataFrame) -> str | None:
         return None
     layers = shared[-1]
     bf16, fp32 = fraction[("ours", layers)], fraction[("ours_fp32_master", layers)]
-    return (f"One more AdamW step after the timing changes {bf16:.1%} of ours's bf16 weights and {fp32:.1%} of the "
-            f"float32 master weights at {layers} layers: AdamW (weight decay included) moves every nonzero weight, "
+    return (f"One more AdamW step after the timing changes {bf16:.1%} of the bf16 weights of ours and {fp32:.1%} of "
+            f"the float32 master weights at {layers} layers: AdamW (weight decay included) moves every nonzero weight, "
             "so a bf16 weight it leaves unchanged had its update rounded away.")
 
 
