@@ -96,8 +96,8 @@ def test_compiled_checkpointed_blocks_compute_what_eager_ones_do(stack: str):
 @launches_kernels
 def test_float32_master_weights_keep_the_updates_bf16_weights_lose():
     """ours_fp32_master in a bf16 run: float32 weights, gradients and AdamW state, the loss of the float32 model up to
-    bf16 compute, and every weight moved by a step, where ours's bf16 norm weights (all 1.0, spacing 2^-7 there)
-    lose their update of about the learning rate."""
+    bf16 compute, and every weight moved by a step, where the bf16 norm weights of ours (all 1.0, spacing 2^-7
+    there) lose their update of about the learning rate."""
     fp32_loss = one_step("plain")[0]
     moved = {}
     for stack in ("ours", "ours_fp32_master"):
@@ -105,7 +105,8 @@ def test_float32_master_weights_keep_the_updates_bf16_weights_lose():
                           head_chunk=16)
         before = {n: p.detach().clone() for n, p in train.model.named_parameters()}
         loss = train.step()
-        moved[stack] = {n: (p.detach() != before[n]).float().mean().item() for n, p in train.model.named_parameters()}
+        moved[stack] = {n: (p.detach() != before[n]).float().mean().item()
+                        for n, p in train.model.named_parameters()}
         if stack == "ours_fp32_master":
             assert {p.dtype for p in train.model.parameters()} == {torch.float32}
             assert {p.grad.dtype for p in train.model.parameters()} == {torch.float32}

@@ -117,7 +117,8 @@ def test_what_float32_master_weights_keep(tmp_path):
             "batch_size": 1, "peak_mib": 1024.0, "mfu": 0.5, "status": "ok", "reason": ""}
     rows = [base | {"stack": stack, "num_layers": layers, "step_ms": 100.0 * layers + extra, "weights": weights,
                     "updated_fraction": fraction}
-            for stack, weights, extra, fraction in (("ours", "bfloat16", 0, 0.25), ("ours_fp32_master", "float32", 50, 1.0))
+            for stack, weights, extra, fraction in (("ours", "bfloat16", 0, 0.25),
+                                                    ("ours_fp32_master", "float32", 50, 1.0))
             for layers in (2, 4)]
     params = {**PARAMS, "num_layers": [2, 4], "stacks": ["ours", "ours_fp32_master"], "warmup_ms": 1, "rep_ms": 1}
     write_rows(pd.DataFrame(rows), tmp_path / "results/train_step/all.csv", params)

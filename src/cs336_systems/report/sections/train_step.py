@@ -51,10 +51,10 @@ def render(ctx: Context) -> str:
         provenance_line(metas),
         f"Model: d_model {p['d_model']}, d_ff {p['d_ff']}, {p['num_heads']} heads, vocabulary {p['vocab_size']:,}, "
         f"context {p['context_length']:,}; {p['batch_size']} sequence(s) per step, weights, gradients and AdamW "
-        f"state in {p['dtype']} unless the stack table says otherwise. Each cell builds a fresh model and times the spec's whole step "
-        "(`zero_grad(set_to_none=True)`, forward, summed cross-entropy, backward, `optimizer.step()`): "
-        f"{timing}. Peak: `torch.cuda.max_memory_allocated` over the cell. MFU counts model FLOPs only, "
-        "6·T·(L·(4d² + 3·d·d_ff) + d·V) + L·6·T²·d per sequence, over the GPU's dense bf16 peak.",
+        f"state in {p['dtype']} unless the stack table says otherwise. Each cell builds a fresh model and times "
+        "the spec's whole step (`zero_grad(set_to_none=True)`, forward, summed cross-entropy, backward, "
+        f"`optimizer.step()`): {timing}. Peak: `torch.cuda.max_memory_allocated` over the cell. MFU counts model "
+        "FLOPs only, 6·T·(L·(4d² + 3·d·d_ff) + d·V) + L·6·T²·d per sequence, over the GPU's dense bf16 peak.",
         "",
         text_md(stack_table(cells, stacks, p["dtype"])),
         "",
@@ -142,7 +142,8 @@ def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
                 "MFU": f"{c['mfu']:.1%}" if ok and pd.notna(c["mfu"]) else "—",
             }
             if updated is not None and updated.notna().any():
-                row["weights a step changes"] = f"{c['updated_fraction']:.1%}" if pd.notna(c["updated_fraction"]) else "—"
+                fraction = c["updated_fraction"]
+                row["weights a step changes"] = f"{fraction:.1%}" if pd.notna(fraction) else "—"
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -202,9 +203,9 @@ def updates_lost(cells: pd.DataFrame) -> str | None:
         return None
     layers = shared[-1]
     bf16, fp32 = fraction[("ours", layers)], fraction[("ours_fp32_master", layers)]
-    return (f"One more AdamW step after the timing changes {bf16:.1%} of the bf16 weights of ours and {fp32:.1%} of "
-            f"the float32 master weights at {layers} layers: AdamW (weight decay included) moves every nonzero weight, "
-            "so a bf16 weight it leaves unchanged had its update rounded away.")
+    return (f"One more AdamW step after the timing changes {bf16:.1%} of the bf16 weights of ours and {fp32:.1%} "
+            f"of the float32 master weights at {layers} layers: AdamW (weight decay included) moves every "
+            "nonzero weight, so a bf16 weight it leaves unchanged had its update rounded away.")
 
 
 def signed(x: float, fmt: str = ".1f") -> str:
