@@ -50,11 +50,12 @@ def render(ctx: Context) -> str:
     out = [
         provenance_line(metas),
         f"Model: d_model {p['d_model']}, d_ff {p['d_ff']}, {p['num_heads']} heads, vocabulary {p['vocab_size']:,}, "
-        f"context {p['context_length']:,}; {p['batch_size']} sequence(s) per step, weights, gradients and AdamW "
-        f"state in {p['dtype']} unless the stack table says otherwise. Each cell builds a fresh model and times "
-        "the spec's whole step (`zero_grad(set_to_none=True)`, forward, summed cross-entropy, backward, "
-        f"`optimizer.step()`): {timing}. Peak: `torch.cuda.max_memory_allocated` over the cell. MFU counts model "
-        "FLOPs only, 6·T·(L·(4d² + 3·d·d_ff) + d·V) + L·6·T²·d per sequence, over the GPU's dense bf16 peak.",
+        f"context {p['context_length']:,}; {p['batch_size']} sequence(s) per step, weights, gradients and "
+        f"AdamW state in {p['dtype']} unless the stack table says otherwise. Each cell builds a fresh model "
+        "and times the spec's whole step (`zero_grad(set_to_none=True)`, forward, summed cross-entropy, "
+        f"backward, `optimizer.step()`): {timing}. Peak: `torch.cuda.max_memory_allocated` over the cell. "
+        "MFU counts model FLOPs only, 6·T·(L·(4d² + 3·d·d_ff) + d·V) + L·6·T²·d per sequence, over the GPU's "
+        "dense bf16 peak.",
         "",
         text_md(stack_table(cells, stacks, p["dtype"])),
         "",
@@ -203,9 +204,9 @@ def updates_lost(cells: pd.DataFrame) -> str | None:
         return None
     layers = shared[-1]
     bf16, fp32 = fraction[("ours", layers)], fraction[("ours_fp32_master", layers)]
-    return (f"One more AdamW step after the timing changes {bf16:.1%} of the bf16 weights of ours and {fp32:.1%} "
-            f"of the float32 master weights at {layers} layers: AdamW (weight decay included) moves every "
-            "nonzero weight, so a bf16 weight it leaves unchanged had its update rounded away.")
+    return (f"One more AdamW step after the timing changes {bf16:.1%} of the bf16 weights of ours and "
+            f"{fp32:.1%} of the float32 master weights at {layers} layers: AdamW (weight decay included) moves "
+            "every nonzero weight, so a bf16 weight it leaves unchanged had its update rounded away.")
 
 
 def signed(x: float, fmt: str = ".1f") -> str:
