@@ -13,8 +13,8 @@ def train_step_options():
 
 
 TRAIN_STEP_CODE = code("experiments/train_step_benchmark.py", "train_step_benchmarking.py", "fused_cross_entropy.py",
-                       "flash_attention.py", "flash_triton.py", "triton_interpreter.py", "checkpointing.py",
-                       "model.py", "profiling.py")
+                       "fused_adamw.py", "flash_attention.py", "flash_triton.py", "triton_interpreter.py",
+                       "checkpointing.py", "model.py", "profiling.py")
 TRAIN_STEP_DIMS = " ".join(f"--{key.replace('_', '-')} {TRAIN_STEP[key]}" for key in
                            ("d_model", "d_ff", "num_heads", "vocab_size", "context_length", "batch_size"))
 COMPONENTS = TRAIN_STEP["components"]

@@ -1,4 +1,4 @@
-"""The Triton-interpreter patch (cs336_systems.triton_interpreter) on two small kernels that hit its two gaps.
+"""The Triton-interpreter patch (cs336_systems.triton_interpreter) on small kernels that hit its three gaps.
 
 Each check runs in a fresh interpreter-mode process: whether kernels are interpreted is fixed when triton is
 imported, and another test module may have imported it compiled.
@@ -49,9 +49,21 @@ SCRIPT = textwrap.dedent(
         tl.store(C + tile, tl.dot(tl.load(A + tile), tl.load(B + tile)))
 
 
+    @triton.jit
+    def to_bf16(X, Out, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(Out + offs, tl.load(X + offs).to(tl.bfloat16))
+
+
     N = 16
     g = torch.Generator().manual_seed(0)
-    if sys.argv[2] == "loop":
+    if sys.argv[2] == "round":
+        # float32 values between two bf16 neighbours, nearer the larger magnitude, and exact ties (to even)
+        x = torch.tensor([1 + 2**-8 + 2**-10, -(1 + 2**-8 + 2**-10), 1 + 2**-8, 1 + 3 * 2**-8] * (N // 4))
+        out = torch.empty(N, dtype=torch.bfloat16)
+        to_bf16[(1,)](x, out, N=N)
+        assert torch.equal(out, x.bfloat16()), (out, x.bfloat16())
+    elif sys.argv[2] == "loop":
         x = torch.randn(4, N, generator=g)
         out = torch.empty_like(x)
         prefix_sums[(4,)](x, out, N=N)
@@ -76,7 +88,7 @@ def run_check(tmp_path, patched: str, check: str) -> subprocess.CompletedProcess
     )
 
 
-@pytest.mark.parametrize("check", ["loop", "bf16_dot"])
+@pytest.mark.parametrize("check", ["loop", "bf16_dot", "round"])
 def test_patched_interpreter_runs_the_kernels_correctly(tmp_path, check):
     result = run_check(tmp_path, "patched", check)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
@@ -86,6 +98,11 @@ def test_unpatched_interpreter_gets_bf16_dot_wrong(tmp_path):
     # The gap the patch covers is real in the pinned Triton; once this fails, upstream has fixed it.
     result = run_check(tmp_path, "unpatched", "bf16_dot")
     assert result.returncode != 0 and "Mismatched elements" in result.stderr, result.stderr[-3000:]
+
+
+def test_unpatched_interpreter_truncates_to_bf16(tmp_path):
+    result = run_check(tmp_path, "unpatched", "round")
+    assert result.returncode != 0 and "AssertionError" in result.stderr, result.stderr[-3000:]
 
 
 def test_enabled_reads_the_environment(monkeypatch):

@@ -11,6 +11,7 @@ A stack says how the same model is run (`STACKS`):
 - `ours`: the same with our FlashAttention (Triton) and our fused LM head + cross-entropy (Triton,
   cs336_systems.fused_cross_entropy), and the `ours_*` variants that put one PyTorch piece back, so the writeup
   shows what each of ours is worth;
+- `ours_triton_adamw`: ours with our AdamW kernel (cs336_systems.fused_adamw) for torch.optim.AdamW(fused=True);
 - `ours_fp32_master`: ours with float32 master weights: weights, gradients and AdamW state in float32, the step's
   forward and backward under autocast to the run's dtype (the matmuls and our kernels in bf16);
 - `*_fsdp`: the stack sharded over the ranks of the process group, each rank training on its own sequences:
@@ -60,6 +61,7 @@ class Stack:
     fused_adamw: bool  # torch.optim.AdamW(fused=True) on CUDA
     sharding: str = "none"  # none, ours (our FSDP) or fsdp2 (PyTorch's fully_shard): over the process group
     fp32_master: bool = False  # float32 weights, gradients and AdamW state; compute under autocast to the run's dtype
+    triton_adamw: bool = False  # our FusedAdamW (Triton) instead of torch.optim.AdamW
 
 
 STACKS = {
@@ -70,6 +72,8 @@ STACKS = {
     "ours_chunked_head": Stack("flash_triton", "chunked", "selective", compile_blocks=True, fused_adamw=True),
     # no recomputation at all: the bound checkpointing pays against, where the activations fit
     "ours_no_checkpoint": Stack("flash_triton", "fused", "none", compile_blocks=True, fused_adamw=True),
+    "ours_triton_adamw": Stack("flash_triton", "fused", "selective", compile_blocks=True, fused_adamw=False,
+                               triton_adamw=True),
     # what mixed precision's usual float32 master weights cost against the leaderboard's all-bf16 state
     "ours_fp32_master": Stack("flash_triton", "fused", "selective", compile_blocks=True, fused_adamw=True,
                               fp32_master=True),
@@ -176,7 +180,12 @@ class TrainStep:
         self.model = shard(build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks,
                                        head_chunk), stack.sharding)
         fused = stack.fused_adamw and device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused or None)
+        if stack.triton_adamw:  # imported here: it imports triton, which must not come before the CLI's mode
+            from cs336_systems.fused_adamw import FusedAdamW
+
+            self.optimizer = FusedAdamW(self.model.parameters(), lr=1e-4)
+        else:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused or None)
         rank = dist.get_rank() if stack.sharding != "none" else 0
         g = torch.Generator(device="cpu").manual_seed(seed + rank)
         ids = torch.randint(dims["vocab_size"], (batch_size, dims["context_length"] + 1), generator=g).to(device)

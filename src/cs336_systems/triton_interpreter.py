@@ -1,4 +1,4 @@
-"""Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs the kernels without a GPU), and a patch for two of
+"""Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs the kernels without a GPU), and a patch for three of
 its gaps that our kernels hit. Compiled kernels are unaffected: the patch is applied only when interpreting.
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the choice must be made (the
@@ -16,13 +16,15 @@ def enabled() -> bool:
 
 
 def patch() -> None:
-    """Work around two gaps of the Triton 3.6 interpreter (idempotent):
+    """Work around three gaps of the Triton 3.6 interpreter (idempotent):
 
     - Scalars are 1-element arrays and `range()` calls `int()` on them, an error since NumPy 2.4
       (triton-lang/triton#9171): loop bounds derived from program_id fail. Squeeze first, as upstream's fix does.
     - bfloat16 is stored as uint16 bit patterns and `tl.dot` multiplies those bits (triton-lang/triton#11584).
       Widen bf16 operands to float32 first: exact, since a bf16 x bf16 product fits in float32, which is what the
       GPU's bf16 MMA with float32 accumulation computes.
+    - float32 -> bfloat16 (`x.to(tl.bfloat16)`) truncates toward zero, where the GPU rounds to nearest even: a
+      bias that AdamW's repeated stores turn into drift. Round to nearest even, as the GPU does.
     """
     import numpy as np
     import triton.language as tl
@@ -46,6 +48,18 @@ def patch() -> None:
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen_bf16(a), widen_bf16(b), d, input_precision, max_num_imprecise_acc)
 
+    create_fp_trunc = interpreter.InterpreterBuilder.create_fp_trunc
+
+    def patched_fp_trunc(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return create_fp_trunc(self, src, dst_type)
+        bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        nan = np.isnan(src.data)
+        rounded[nan] = (bits[nan] >> 16).astype(np.uint16) | 0x0040  # a NaN stays a (quiet) NaN
+        return interpreter.TensorHandle(rounded, tl.bfloat16)
+
     interpreter._patch_lang_tensor = patched_lang_tensor
     interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter.InterpreterBuilder.create_fp_trunc = patched_fp_trunc
     interpreter._cs336_patched = True

@@ -9,10 +9,10 @@ bf16; `--num-layers` sets the depths measured (the leaderboard has 34). Per (sta
 `--warmup-ms`, over `--rep-ms`; wall-clock median of `--steps` steps on the CPU), the allocator's peak, model
 TFLOP and MFU; an out-of-memory cell is an `OOM` row. Then per stack measured at two depths or more, a `fit` row:
 per-layer time = the least-squares slope of step time over depth, and the extrapolation to
-`--extrapolate-layers` layers = intercept + slope × layers, labelled as such. On one device, one more step per cell
-gives `updated_fraction`, the share of the weights it changes: an AdamW update of about the learning rate is lost
-on a bf16 weight more than ~256x its size, which float32 master weights keep. With `--components`, one more
-profiled step per cell gives `component` rows: its kernels' time by component (attention, head + loss,
+`--extrapolate-layers` layers = intercept + slope × layers, labelled as such. On one device each cell also gives
+`updated_fraction`, the share of the weights one more step changes (an AdamW update of about the learning rate
+is lost on a bf16 weight more than ~256x its size; float32 master weights keep it), and `optimizer_ms`,
+`optimizer.step()` timed alone. With `--components`, one more profiled step per cell gives `component` rows: its kernels' time by component (attention, head + loss,
 optimizer, matmul, the rest; train_step_benchmarking.COMPONENTS).
 
 The sharded stacks (`*_fsdp`) run under the launcher, one rank per GPU, each rank on its own `--batch-size`
@@ -136,17 +136,18 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
     sync(device)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
     waits = {}
-    updated = {}
+    alone = {}
     if not dist.is_initialized():  # a step that fit may still find no room for the copy: then no fraction
         fraction = or_oom(lambda: updated_fraction(train))
-        updated["updated_fraction"] = float("nan") if fraction == "OOM" else fraction
+        alone["updated_fraction"] = float("nan") if fraction == "OOM" else fraction
+        alone["optimizer_ms"] = optimizer_ms(train, device, args)
     if ours:
         stats = [record.stats() for record in records[-args.steps :]]
         waits = {f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3 for key in ("gather_wait", "sync_wait")}
     if dist.is_initialized():  # the largest rank's
         peak, *waits_max = (max(values) for values in zip(*gather_to_all([peak, *waits.values()]), strict=True))
         waits = dict(zip(waits, waits_max, strict=True))
-    return {"step_ms": step_ms, "peak_mib": peak, **waits, **updated,
+    return {"step_ms": step_ms, "peak_mib": peak, **waits, **alone,
             "components": component_times(train, device) if args.components else {}}
 
 
@@ -156,6 +157,21 @@ def updated_fraction(train: TrainStep) -> float:
     train.step()
     changed = sum(int((p.detach() != old).sum()) for p, old in zip(train.model.parameters(), before, strict=True))
     return changed / sum(old.numel() for old in before)
+
+
+def optimizer_ms(train: TrainStep, device: torch.device, args: argparse.Namespace) -> float:
+    """Milliseconds of `optimizer.step()` alone, on the last step's gradients: do_bench's median on CUDA, the
+    median of `--steps` wall times elsewhere."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(train.optimizer.step, return_mode="median")
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        train.optimizer.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def gather_to_all(values: list[float]) -> list[list[float]]:
