@@ -72,6 +72,7 @@ STACKS = {
     "ours_chunked_head": Stack("flash_triton", "chunked", "selective", compile_blocks=True, fused_adamw=True),
     # no recomputation at all: the bound checkpointing pays against, where the activations fit
     "ours_no_checkpoint": Stack("flash_triton", "fused", "none", compile_blocks=True, fused_adamw=True),
+    # our AdamW kernel for torch's fused one
     "ours_triton_adamw": Stack("flash_triton", "fused", "selective", compile_blocks=True, fused_adamw=False,
                                triton_adamw=True),
     # what mixed precision's usual float32 master weights cost against the leaderboard's all-bf16 state

@@ -12,8 +12,9 @@ per-layer time = the least-squares slope of step time over depth, and the extrap
 `--extrapolate-layers` layers = intercept + slope × layers, labelled as such. On one device each cell also gives
 `updated_fraction`, the share of the weights one more step changes (an AdamW update of about the learning rate
 is lost on a bf16 weight more than ~256x its size; float32 master weights keep it), and `optimizer_ms`,
-`optimizer.step()` timed alone. With `--components`, one more profiled step per cell gives `component` rows: its kernels' time by component (attention, head + loss,
-optimizer, matmul, the rest; train_step_benchmarking.COMPONENTS).
+`optimizer.step()` timed alone. With `--components`, one more profiled step per cell gives `component` rows: its
+kernels' time by component (attention, head + loss, optimizer, matmul, the rest;
+train_step_benchmarking.COMPONENTS).
 
 The sharded stacks (`*_fsdp`) run under the launcher, one rank per GPU, each rank on its own `--batch-size`
 sequences (the leaderboard: 2 GPUs x 1 sequence):
