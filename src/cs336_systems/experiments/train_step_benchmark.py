@@ -35,7 +35,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -102,18 +101,17 @@ def time_step(train: TrainStep, device: torch.device, args: argparse.Namespace) 
         per_rank = torch.tensor(time_steps(train.step, 0, args.steps, device), device=device)
         dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
         return statistics.median(per_rank.tolist()) * 1e3
+    return one_device_ms(train.step, device, args.warmup_steps, args.steps, warmup=args.warmup_ms, rep=args.rep_ms)
+
+
+def one_device_ms(fn, device: torch.device, warmup_steps: int, steps: int, **do_bench_times) -> float:
+    """Milliseconds per call of `fn` on one device: do_bench's median on CUDA (over `do_bench_times`, its
+    defaults where none are given); elsewhere the median of `steps` wall times after `warmup_steps` calls."""
     if device.type == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(train.step, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
-    for _ in range(args.warmup_steps):
-        train.step()
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        train.step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        return triton.testing.do_bench(fn, return_mode="median", **do_bench_times)
+    return statistics.median(time_steps(fn, warmup_steps, steps, device)) * 1e3
 
 
 def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch.device) -> dict:
@@ -161,18 +159,8 @@ def updated_fraction(train: TrainStep) -> float:
 
 
 def optimizer_ms(train: TrainStep, device: torch.device, args: argparse.Namespace) -> float:
-    """Milliseconds of `optimizer.step()` alone, on the last step's gradients: do_bench's median on CUDA, the
-    median of `--steps` wall times elsewhere."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(train.optimizer.step, return_mode="median")
-    times = []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        train.optimizer.step()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    """Milliseconds of `optimizer.step()` alone, on the last step's gradients (no warm-up steps off CUDA)."""
+    return one_device_ms(train.optimizer.step, device, 0, args.steps)
 
 
 def gather_to_all(values: list[float]) -> list[list[float]]:
