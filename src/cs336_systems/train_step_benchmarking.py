@@ -180,12 +180,12 @@ class TrainStep:
         self.stack = stack
         self.model = shard(build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks,
                                        head_chunk), stack.sharding)
-        fused = stack.fused_adamw and device.type == "cuda"
         if stack.triton_adamw:  # imported here: it imports triton, which must not come before the CLI's mode
             from cs336_systems.fused_adamw import FusedAdamW
 
             self.optimizer = FusedAdamW(self.model.parameters(), lr=1e-4)
         else:
+            fused = stack.fused_adamw and device.type == "cuda"
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused or None)
         rank = dist.get_rank() if stack.sharding != "none" else 0
         g = torch.Generator(device="cpu").manual_seed(seed + rank)

@@ -131,9 +131,15 @@ def stack_table(cells: pd.DataFrame, stacks: list[str], dtype: str) -> pd.DataFr
     })
 
 
+# Columns a one-GPU cell has only where the run recorded them: column -> (heading, format).
+MEASURED_ALONE = {"updated_fraction": ("weights a step changes", "{:.1%}"),
+                  "optimizer_ms": ("optimizer step (ms)", "{:,.1f}")}
+
+
 def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
     rows = []
-    updated, optimizer = cells.get("updated_fraction"), cells.get("optimizer_ms")
+    extra = {column: shown for column, shown in MEASURED_ALONE.items()
+             if column in cells and cells[column].notna().any()}
     for stack in stacks:
         for _, c in cells[cells["stack"] == stack].sort_values("num_layers").iterrows():
             ok = c["status"] == "ok"
@@ -143,12 +149,8 @@ def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
                 "peak (GiB)": f"{c['peak_mib'] / 1024:,.1f}" if ok and pd.notna(c["peak_mib"]) else "—",
                 "MFU": f"{c['mfu']:.1%}" if ok and pd.notna(c["mfu"]) else "—",
             }
-            if updated is not None and updated.notna().any():
-                fraction = c["updated_fraction"]
-                row["weights a step changes"] = f"{fraction:.1%}" if pd.notna(fraction) else "—"
-            if optimizer is not None and optimizer.notna().any():
-                ms = c["optimizer_ms"]
-                row["optimizer step (ms)"] = f"{ms:,.1f}" if pd.notna(ms) else "—"
+            for column, (heading, fmt) in extra.items():
+                row[heading] = fmt.format(c[column]) if pd.notna(c[column]) else "—"
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -196,18 +198,24 @@ def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame) -> str:
     return "\n\n".join(parts)
 
 
-def updates_lost(cells: pd.DataFrame) -> str | None:
-    """What float32 master weights keep: the share of the weights one step changes, ours (bf16) against ours with
-    float32 master weights, at the deepest depth both measured."""
-    if "updated_fraction" not in cells:
+def at_deepest_shared(cells: pd.DataFrame, column: str, variant: str) -> tuple[int, float, float] | None:
+    """(depth, ours's value, the variant's value) of `column` at the deepest depth where both recorded it."""
+    if column not in cells:
         return None
-    fraction = cells.dropna(subset=["updated_fraction"]).set_index(["stack", "num_layers"])["updated_fraction"]
-    shared = sorted({n for s, n in fraction.index if s == "ours"} & {n for s, n in fraction.index
-                                                                     if s == "ours_fp32_master"})
+    values = cells.dropna(subset=[column]).set_index(["stack", "num_layers"])[column]
+    shared = sorted({n for s, n in values.index if s == "ours"} & {n for s, n in values.index if s == variant})
     if not shared:
         return None
     layers = shared[-1]
-    bf16, fp32 = fraction[("ours", layers)], fraction[("ours_fp32_master", layers)]
+    return layers, values[("ours", layers)], values[(variant, layers)]
+
+
+def updates_lost(cells: pd.DataFrame) -> str | None:
+    """What float32 master weights keep: the share of the weights one step changes, ours (bf16) against ours with
+    float32 master weights."""
+    if (found := at_deepest_shared(cells, "updated_fraction", "ours_fp32_master")) is None:
+        return None
+    layers, bf16, fp32 = found
     return (f"One more AdamW step after the timing changes {bf16:.1%} of the bf16 weights of ours and "
             f"{fp32:.1%} of the float32 master weights at {layers} layers: AdamW (weight decay included) moves "
             "every nonzero weight, so a bf16 weight it leaves unchanged had its update rounded away.")
@@ -215,15 +223,10 @@ def updates_lost(cells: pd.DataFrame) -> str | None:
 
 def optimizer_worth(cells: pd.DataFrame) -> str | None:
     """Our AdamW kernel against torch.optim.AdamW(fused=True): `optimizer.step()` alone, ours against
-    ours_triton_adamw, at the deepest depth both measured."""
-    if "optimizer_ms" not in cells:
+    ours_triton_adamw."""
+    if (found := at_deepest_shared(cells, "optimizer_ms", "ours_triton_adamw")) is None:
         return None
-    ms = cells.dropna(subset=["optimizer_ms"]).set_index(["stack", "num_layers"])["optimizer_ms"]
-    shared = sorted({n for s, n in ms.index if s == "ours"} & {n for s, n in ms.index if s == "ours_triton_adamw"})
-    if not shared:
-        return None
-    layers = shared[-1]
-    torch_ms, ours_ms = ms[("ours", layers)], ms[("ours_triton_adamw", layers)]
+    layers, torch_ms, ours_ms = found
     faster = "ours" if ours_ms < torch_ms else "torch.optim.AdamW(fused=True)"
     return (f"Our AdamW kernel, against torch.optim.AdamW(fused=True): `optimizer.step()` alone takes {ours_ms:,.1f} "
             f"ms against {torch_ms:,.1f} ms at {layers} layers ({ours_ms / torch_ms:.2f}×); the faster is {faster}.")
