@@ -131,10 +131,13 @@ def test_what_float32_master_weights_keep(tmp_path):
 def test_our_adamw_against_torchs(tmp_path):
     base = {"kind": "cell", "attention": "flash_triton", "head": "fused", "checkpoint": "selective", "compiled": True,
             "batch_size": 1, "peak_mib": 1024.0, "mfu": 0.5, "status": "ok", "reason": "", "weights": "bfloat16"}
-    rows = [base | {"stack": stack, "num_layers": layers, "step_ms": 100.0 * layers, "optimizer_ms": ms * layers}
-            for stack, ms in (("ours", 2.0), ("ours_triton_adamw", 1.5)) for layers in (2, 4)]
-    params = {**PARAMS, "num_layers": [2, 4], "stacks": ["ours", "ours_triton_adamw"], "warmup_ms": 1, "rep_ms": 1}
+    rows = [base | {"stack": stack, "optimizer": optimizer, "num_layers": layers, "step_ms": 100.0 * layers,
+                    "optimizer_ms": ms * layers}
+            for stack, optimizer, ms in (("ours", "ours", 1.5), ("ours_torch_adamw", "torch_fused", 2.0))
+            for layers in (2, 4)]
+    params = {**PARAMS, "num_layers": [2, 4], "stacks": ["ours", "ours_torch_adamw"], "warmup_ms": 1, "rep_ms": 1}
     write_rows(pd.DataFrame(rows), tmp_path / "results/train_step/all.csv", params)
     text = train_step.render(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
     assert "| optimizer step (ms)" in text and "| 6.0 " in text
+    assert "| our Triton AdamW " in text and "| torch.optim.AdamW(fused=True) " in text  # the stack table
     assert ("`optimizer.step()` alone takes 6.0 ms against 8.0 ms at 4 layers (0.75×); the faster is ours." in text)

@@ -7,11 +7,11 @@ A stack says how the same model is run (`STACKS`):
 - `plain`: our TransformerLM as it is, the spec's naive baseline (materialised attention scores, eager logits);
 - `native`: what PyTorch alone offers: SDPA (its fastest backend), selective checkpointing of every block
   (`torch.utils.checkpoint`, matmul and attention outputs kept), each checkpointed block `torch.compile`d, the LM
-  head and loss in chunks of tokens whose logits are recomputed in backward (`checkpoint` per chunk), fused AdamW;
-- `ours`: the same with our FlashAttention (Triton) and our fused LM head + cross-entropy (Triton,
-  cs336_systems.fused_cross_entropy), and the `ours_*` variants that put one PyTorch piece back, so the writeup
-  shows what each of ours is worth;
-- `ours_triton_adamw`: ours with our AdamW kernel (cs336_systems.fused_adamw) for torch.optim.AdamW(fused=True);
+  head and loss in chunks of tokens whose logits are recomputed in backward (`checkpoint` per chunk),
+  torch.optim.AdamW(fused=True);
+- `ours`: the same with our FlashAttention (Triton), our fused LM head + cross-entropy (Triton,
+  cs336_systems.fused_cross_entropy) and our AdamW kernel (Triton, cs336_systems.fused_adamw), and the `ours_*`
+  variants that put one PyTorch piece back, so the writeup shows what each of ours is worth;
 - `ours_fp32_master`: ours with float32 master weights: weights, gradients and AdamW state in float32, the step's
   forward and backward under autocast to the run's dtype (the matmuls and our kernels in bf16);
 - `*_fsdp`: the stack sharded over the ranks of the process group, each rank training on its own sequences:
@@ -58,31 +58,29 @@ class Stack:
     head: str  # eager: logits then cross_entropy; chunked: PyTorch, per token chunk; fused: our Triton kernel
     checkpoint: str  # ModelConfig.checkpoint
     compile_blocks: bool  # torch.compile each (checkpointed) block
-    fused_adamw: bool  # torch.optim.AdamW(fused=True) on CUDA
+    optimizer: str  # torch (torch.optim.AdamW's default), torch_fused (its fused=True, on CUDA) or ours (FusedAdamW)
     sharding: str = "none"  # none, ours (our FSDP) or fsdp2 (PyTorch's fully_shard): over the process group
     fp32_master: bool = False  # float32 weights, gradients and AdamW state; compute under autocast to the run's dtype
-    triton_adamw: bool = False  # our FusedAdamW (Triton) instead of torch.optim.AdamW
 
 
 STACKS = {
-    "plain": Stack("naive", "eager", "none", compile_blocks=False, fused_adamw=False),
-    "native": Stack("sdpa", "chunked", "selective", compile_blocks=True, fused_adamw=True),
-    "ours": Stack("flash_triton", "fused", "selective", compile_blocks=True, fused_adamw=True),
-    "ours_sdpa": Stack("sdpa", "fused", "selective", compile_blocks=True, fused_adamw=True),
-    "ours_chunked_head": Stack("flash_triton", "chunked", "selective", compile_blocks=True, fused_adamw=True),
+    "plain": Stack("naive", "eager", "none", compile_blocks=False, optimizer="torch"),
+    "native": Stack("sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused"),
+    "ours": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours"),
+    "ours_sdpa": Stack("sdpa", "fused", "selective", compile_blocks=True, optimizer="ours"),
+    "ours_chunked_head": Stack("flash_triton", "chunked", "selective", compile_blocks=True, optimizer="ours"),
+    "ours_torch_adamw": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="torch_fused"),
     # no recomputation at all: the bound checkpointing pays against, where the activations fit
-    "ours_no_checkpoint": Stack("flash_triton", "fused", "none", compile_blocks=True, fused_adamw=True),
-    # our AdamW kernel for torch's fused one
-    "ours_triton_adamw": Stack("flash_triton", "fused", "selective", compile_blocks=True, fused_adamw=False,
-                               triton_adamw=True),
+    "ours_no_checkpoint": Stack("flash_triton", "fused", "none", compile_blocks=True, optimizer="ours"),
     # what mixed precision's usual float32 master weights cost against the leaderboard's all-bf16 state
-    "ours_fp32_master": Stack("flash_triton", "fused", "selective", compile_blocks=True, fused_adamw=True,
+    "ours_fp32_master": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours",
                               fp32_master=True),
     # sharded over the process group's ranks (the leaderboard's two GPUs)
-    "plain_fsdp": Stack("naive", "eager", "none", compile_blocks=False, fused_adamw=False, sharding="ours"),
-    "native_fsdp": Stack("sdpa", "chunked", "selective", compile_blocks=True, fused_adamw=True, sharding="fsdp2"),
-    "ours_fsdp": Stack("flash_triton", "fused", "selective", compile_blocks=True, fused_adamw=True, sharding="ours"),
-    "ours_fsdp_sdpa": Stack("sdpa", "fused", "selective", compile_blocks=True, fused_adamw=True, sharding="ours"),
+    "plain_fsdp": Stack("naive", "eager", "none", compile_blocks=False, optimizer="torch", sharding="ours"),
+    "native_fsdp": Stack("sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused",
+                         sharding="fsdp2"),
+    "ours_fsdp": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours", sharding="ours"),
+    "ours_fsdp_sdpa": Stack("sdpa", "fused", "selective", compile_blocks=True, optimizer="ours", sharding="ours"),
 }
 SHARDINGS = ("none", "ours", "fsdp2")
 
@@ -180,12 +178,12 @@ class TrainStep:
         self.stack = stack
         self.model = shard(build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks,
                                        head_chunk), stack.sharding)
-        if stack.triton_adamw:  # imported here: it imports triton, which must not come before the CLI's mode
+        if stack.optimizer == "ours":  # imported here: it imports triton, which must not come before the CLI's mode
             from cs336_systems.fused_adamw import FusedAdamW
 
             self.optimizer = FusedAdamW(self.model.parameters(), lr=1e-4)
         else:
-            fused = stack.fused_adamw and device.type == "cuda"
+            fused = stack.optimizer == "torch_fused" and device.type == "cuda"
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused or None)
         rank = dist.get_rank() if stack.sharding != "none" else 0
         g = torch.Generator(device="cpu").manual_seed(seed + rank)

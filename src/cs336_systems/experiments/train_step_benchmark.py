@@ -175,7 +175,8 @@ def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torc
     flops = model_flops(vars(args), num_layers, args.context_length, args.batch_size * world)
     peak = peak_tflops(device)
     row = {"kind": "cell", "stack": stack, "attention": s.attention, "head": s.head, "checkpoint": s.checkpoint,
-           "compiled": s.compile_blocks and not args.no_compile, "sharding": s.sharding, "world_size": world,
+           "compiled": s.compile_blocks and not args.no_compile, "optimizer": s.optimizer, "sharding": s.sharding,
+           "world_size": world,
            "num_layers": num_layers, "d_model": args.d_model,
            "d_ff": args.d_ff, "num_heads": args.num_heads, "vocab_size": args.vocab_size,
            "context_length": args.context_length, "batch_size": args.batch_size, "dtype": args.dtype,
