@@ -239,7 +239,10 @@ def optimizer_worth(cells: pd.DataFrame) -> str | None:
 
 
 def signed(x: float, fmt: str = ".1f") -> str:
-    return f"{x:+{fmt}}".replace("-", "−")
+    text = f"{x:+{fmt}}"
+    if float(text) == 0:  # no "−0.00" for a value that rounds to zero
+        text = "±" + text[1:]
+    return text.replace("-", "−")
 
 
 def goal_text(fits: pd.DataFrame) -> str:
@@ -272,6 +275,11 @@ def sharded_text(ctx: Context) -> str:
     gpus = all(meta["provenance"].get("device_count") for meta in metas)
     unit = "GPUs" if gpus else "CPU ranks"
     compiled = "" if cells["compiled"].astype(str).eq("True").any() else " No block is compiled in this run."
+    if "optimizer" in cells:
+        first = cells.drop_duplicates("stack").set_index("stack")["optimizer"]
+        optimizers = " AdamW: " + "; ".join(f"{OPTIMIZER.get(first[s], first[s])} ({s})" for s in stacks) + "."
+    else:  # cells written before they named their optimizer
+        optimizers = " Each stack ran the optimizer it had at the commit above (not recorded in the cells)."
     out = [
         provenance_line(metas),
         "",
@@ -287,7 +295,7 @@ def sharded_text(ctx: Context) -> str:
         "gradient synchronisation (median over the steps, the largest rank's); FSDP2 has no such count. "
         + (f"LM-head chunks of {p['head_chunk']:,} tokens; " if p.get("head_chunk") else "")
         + "the CUDA allocator uses expandable segments. Stacks: "
-        + "; ".join(LABEL.get(s, s) for s in stacks) + "." + compiled,
+        + "; ".join(LABEL.get(s, s) for s in stacks) + "." + optimizers + compiled,
         "",
         text_md(sharded_table(cells, stacks, "GPUs" if gpus else "ranks")),
     ]
