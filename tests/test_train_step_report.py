@@ -141,3 +141,18 @@ def test_our_adamw_against_torchs(tmp_path):
     assert "| optimizer step (ms)" in text and "| 6.0 " in text
     assert "| our Triton AdamW " in text and "| torch.optim.AdamW(fused=True) " in text  # the stack table
     assert ("`optimizer.step()` alone takes 6.0 ms against 8.0 ms at 4 layers (0.75×); the faster is ours." in text)
+
+
+def test_whole_layers_by_measurement(tmp_path):
+    """A whole layer costs 2 GiB and saves 3 ms (one-GPU slopes of ours without checkpointing against ours); ours
+    under our FSDP peaks at 128 GiB of the 135 GiB goal: room for 3 whole layers, 9 ms of a 5 s step."""
+    one_gpu = [{"kind": "cell", "stack": stack, "num_layers": layers, "status": "ok", "step_ms": 100.0 * layers,
+                "peak_mib": (base + per_layer * layers) * 1024.0}
+               for stack, base, per_layer in (("ours", 20, 4), ("ours_no_checkpoint", 20, 6)) for layers in (2, 4, 8)]
+    one_gpu += [{"kind": "fit", "stack": stack, "num_layers": 34, "status": "extrapolated", "per_layer_ms": ms}
+                for stack, ms in (("ours", 130.0), ("ours_no_checkpoint", 127.0))]
+    write_rows(pd.DataFrame(one_gpu), tmp_path / "results/train_step/all.csv", {**PARAMS, "num_layers": [2, 4, 8]})
+    text = sharded(tmp_path, [cell("ours_fsdp", 5000.0, 128 * 1024, 0.40)])
+    assert ("costs 2.00 GiB more peak memory than a selectively checkpointed one and saves 3.0 ms of step time" in text)
+    assert "7.0 GiB below the 135 GiB goal: by these slopes, room for 3 whole layer(s), worth 9.0 ms per step" in text
+    assert "(0.18% of its 5.00 s)" in text

@@ -1,9 +1,12 @@
 """2026 §9: the leaderboard's training step by stack and depth, the per-layer fit and its extrapolation to 34
 layers, what each of our pieces is worth, and the one-GPU goals; then the step as the spec runs it, sharded over
-several GPUs, and the two-GPU goals."""
+several GPUs, the two-GPU goals and how many layers could keep all their activations within the memory goal."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pandas as pd
 
 from cs336_systems.report.context import Context
@@ -309,7 +312,8 @@ def sharded_text(ctx: Context) -> str:
                  f"{int(f['num_layers'])} layers on {int(f['world_size'])} {unit}" for f in shown]
         out += ["", "Extrapolated (least squares of step time over the depths measured; not a measurement, and not "
                     f"judged against the goals): {'; '.join(steps)}."]
-    out += ["", sharded_goal_text(cells), "", against_native(cells, unit), "", attention_worth(cells)]
+    out += ["", sharded_goal_text(cells), "", against_native(cells, unit), "", attention_worth(cells), "",
+            whole_layers_text(ctx, cells)]
     return "\n".join(part for part in out if part is not None)
 
 
@@ -414,3 +418,42 @@ def against_native(cells: pd.DataFrame, unit: str) -> str:
     return (f"Ours against the native stack under FSDP2 at {int(layers)} layers on {int(world)} {unit}: ours takes "
             f"{ratio:,.1%} of the native stack's time ({seconds(ours.loc[(world, layers)])} s against "
             f"{seconds(native.loc[(world, layers)])} s), {verdict}.")
+
+
+def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
+    """The checkpointing policy by measurement: how many layers of ours under our FSDP could keep all their
+    activations within the peak-memory goal at the leaderboard's depth, and the time that would save. A whole
+    layer's cost and saving are the one-GPU slopes over depth (ours without checkpointing against ours, in peak
+    memory and in step time); every rank holds its own sequence's activations, so sharding leaves them per GPU as
+    they are. The headroom is the goal less ours's measured peak under our FSDP."""
+    one_gpu = ctx.table("train_step")
+    at = cells[(cells["stack"] == "ours_fsdp") & (cells["status"] == "ok") & cells["peak_mib"].notna()
+               & (cells["num_layers"] == LEADERBOARD_LAYERS) & (cells["world_size"] == LEADERBOARD_GPUS)]
+    if one_gpu is None or at.empty:
+        return ""
+    frame = one_gpu[0]
+    ok = frame[(frame["kind"] == "cell") & (frame["status"] == "ok")].dropna(subset=["peak_mib"])
+    fits = frame[frame["kind"] == "fit"].set_index("stack")
+    pairs = ("ours", "ours_no_checkpoint")
+    if not set(pairs) <= set(fits.index) or any(ok[ok["stack"] == s]["num_layers"].nunique() < 2 for s in pairs):
+        return ""
+    peak_slope = {s: np.polyfit(ok[ok["stack"] == s]["num_layers"], ok[ok["stack"] == s]["peak_mib"], 1)[0] / 1024
+                  for s in pairs}
+    extra_gib = peak_slope["ours_no_checkpoint"] - peak_slope["ours"]
+    saved_ms = fits.loc["ours", "per_layer_ms"] - fits.loc["ours_no_checkpoint", "per_layer_ms"]
+    ours = at.iloc[-1]
+    headroom = GOAL_PEAK_GIB - ours["peak_mib"] / 1024
+    whole = max(0, min(LEADERBOARD_LAYERS, math.floor(headroom / extra_gib))) if extra_gib > 0 else 0
+    if saved_ms > 0:
+        time = f"saves {saved_ms:,.1f} ms of step time"
+        worth = (f"worth {whole * saved_ms:,.1f} ms per step ({whole * saved_ms / ours['step_ms']:.2%} of its "
+                 f"{ours['step_ms'] / 1e3:.2f} s)")
+    else:
+        time, worth = f"saves no step time ({signed(saved_ms)} ms)", "worth no time"
+    return (f"**Which layers keep everything, by measurement.** On one GPU a layer that keeps all its activations "
+            f"costs {extra_gib:.2f} GiB more peak memory than a selectively checkpointed one and {time} "
+            "(least-squares slopes over depth of ours without checkpointing against ours); each rank holds its own "
+            "sequence's activations, so the same holds per GPU under sharding. Ours under our FSDP peaks at "
+            f"{ours['peak_mib'] / 1024:,.1f} GiB at {LEADERBOARD_LAYERS} layers on {LEADERBOARD_GPUS} GPUs, "
+            f"{headroom:,.1f} GiB below the {GOAL_PEAK_GIB} GiB goal: by these slopes, room for {whole} whole "
+            f"layer(s), {worth}. The stacks measured here keep no layer whole.")
