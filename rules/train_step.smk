@@ -82,6 +82,41 @@ rule train_step_components:
         "--out {output.csv} 2> {log}"
 
 
+# Does every stack train as the plain model does? A small model, the run's dtype against float32 (one job).
+CHECK = TRAIN_STEP.get("check")
+CHECK_CSV = f"{RESULTS}/train_step_check/check.csv"
+if CHECK:
+
+    rule train_step_check:
+        input:
+            TRAIN_STEP_CODE,
+            code("experiments/train_step_check.py"),
+        output:
+            csv=report(CHECK_CSV, caption="report/train_step.rst", category="Results",
+                       subcategory="9 The leaderboard's training step"),
+            json=f"{RESULTS}/train_step_check/check.json",
+        params:
+            dims=" ".join(f"--{key.replace('_', '-')} {value}" for key, value in CHECK.items() if key != "stacks"),
+            stacks=listed(CHECK["stacks"]),
+            dtype=TRAIN_STEP["dtype"],
+            compile="" if TRAIN_STEP["compile"] else "--no-compile",
+            device=R["device"],
+            gpus_ok=lambda w: gpus_ok(GPU_JOB, CHECK_CSV),
+        threads: NEEDS["heavy"].threads
+        resources:
+            **job("heavy", gpu=GPU_JOB),
+        log:
+            f"{RESULTS}/logs/train_step/check.log",
+        conda:
+            ENV
+        shell:
+            "pin_gpus {resources.gpu}; "
+            "python -m cs336_systems.experiments.train_step_check {params.dims} --stacks {params.stacks} "
+            "--dtype {params.dtype} {params.compile} --device {params.device} --out {output.csv} 2> {log}"
+
+    WRITEUP_INPUTS.append(CHECK_CSV)
+
+
 # The leaderboard as the spec runs it: the sharded stacks (FSDP2's native stack, ours, the plain baseline under our
 # FSDP) in one job of `sharded.world_size` ranks, one sequence of `batch_size` per rank, on the launch pattern of
 # rules/distributed.smk (a machine with too few GPUs gets a `skipped` row).

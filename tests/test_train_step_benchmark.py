@@ -9,6 +9,7 @@ import sys
 TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ["TRITON_INTERPRET"] = "1"
 
+import dataclasses  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -16,7 +17,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from cs336_systems.experiments import train_step_benchmark  # noqa: E402
+from cs336_systems.experiments import train_step_benchmark, train_step_check  # noqa: E402
 from cs336_systems.train_step_benchmarking import STACKS, TrainStep, model_flops  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
@@ -175,6 +176,33 @@ def test_bad_dimensions_are_refused_before_any_work(tmp_path: Path, capsys: pyte
         train_step_benchmark.main(["--out", str(tmp_path / "x.csv"), "--d-model", "30", "--num-heads", "4",
                                    "--num-layers", "1"])
     assert "--d-model 30 must split into --num-heads 4 heads" in capsys.readouterr().err
+
+
+@launches_kernels
+def test_check_cli_passes_correct_stacks_and_fails_a_wrong_one(tmp_path: Path, monkeypatch):
+    """train_step_check on the CPU in float32: native and ours pass every check against the float32 plain model;
+    a stack whose optimizer steps ten times too far passes the loss and gradients and fails the weights."""
+    args = ["--d-model", "64", "--d-ff", "96", "--num-heads", "4", "--vocab-size", "97", "--context-length", "19",
+            "--steps", "3", "--dtype", "float32", "--no-compile", "--device", "cpu"]
+    train_step_check.main([*args, "--stacks", "native", "ours", "--out", str(tmp_path / "ok.csv")])
+    rows = pd.read_csv(tmp_path / "ok.csv")
+    assert set(rows["quantity"]) == {"loss", "gradients", "weights", "loss_curve"} and len(rows) == 8
+    assert rows["passed"].all() and (rows["yardstick"] == 0).all() and (rows["error"] < 1e-5).all()
+
+    broken = dataclasses.replace(STACKS["ours"])
+    monkeypatch.setitem(train_step_check.STACKS, "ours", broken)
+    original = TrainStep.__init__
+
+    def far_step(self, stack, *a, **k):
+        original(self, stack, *a, **k)
+        if stack is broken:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= 10
+
+    monkeypatch.setattr(TrainStep, "__init__", far_step)
+    train_step_check.main([*args, "--stacks", "ours", "--out", str(tmp_path / "bad.csv")])
+    passed = pd.read_csv(tmp_path / "bad.csv").set_index("quantity")["passed"]
+    assert passed["loss"] and passed["gradients"] and not passed["weights"] and not passed["loss_curve"]
 
 
 @pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the kernel tests ran in this process")

@@ -156,3 +156,19 @@ def test_whole_layers_by_measurement(tmp_path):
     assert ("costs 2.00 GiB more peak memory than a selectively checkpointed one and saves 3.0 ms of step time" in text)
     assert "7.0 GiB below the 135 GiB goal: by these slopes, room for 3 whole layer(s), worth 9.0 ms per step" in text
     assert "(0.18% of its 5.00 s)" in text
+
+
+def test_check_table_states_bounds_and_failures(tmp_path):
+    rows = [{"stack": stack, "quantity": q, "error": error, "yardstick": 0.01, "bound": 0.02 + 1e-5,
+             "passed": error <= 0.02 + 1e-5, "dtype": "bfloat16", "steps": 20}
+            for stack, error in (("ours", 0.015), ("ours_sdpa", 0.03)) for q in ("loss", "gradients", "weights",
+                                                                                  "loss_curve")]
+    params = {"d_model": 256, "d_ff": 688, "num_heads": 2, "num_layers": 2, "vocab_size": 1009,
+              "context_length": 515, "batch_size": 2, "steps": 20, "dtype": "bfloat16", "tolerance": 2.0,
+              "floor": 1e-5}
+    write_rows(pd.DataFrame(rows), tmp_path / "results/train_step_check/check.csv", params)
+    text = train_step.check_text(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
+    assert "the bound is 2 × the plain model's own error in bfloat16" in text and "+ 1e-05" in text
+    assert re.search(r"\| ours +\| 1.50e-02 \(≤ 2.00e-02\) pass", text)
+    assert re.search(r"\| ours with SDPA's attention +\| 3.00e-02 \(≤ 2.00e-02\) FAIL", text)
+    assert "Failed: ours with SDPA's attention (loss); ours with SDPA's attention (gradients)" in text

@@ -81,8 +81,49 @@ def render(ctx: Context) -> str:
             "",
             goal_text(fits),
         ]
-    out += [part for text in (components_text(ctx), sharded_text(ctx)) if text for part in ("", text)]
+    out += [part for text in (check_text(ctx), components_text(ctx), sharded_text(ctx)) if text
+            for part in ("", text)]
     return "\n".join(part for part in out if part is not None)
+
+
+CHECKED = {"loss": "loss", "gradients": "gradients", "weights": "weights after one step",
+           "loss_curve": "loss, every step"}
+
+
+def check_text(ctx: Context) -> str:
+    """Does every stack train as the plain model does: train_step_check's relative errors against the plain model
+    in float32, each beside its bound (a multiple of the plain model's own error in the run's dtype, plus a
+    float32 floor)."""
+    found = ctx.table("train_step_check")
+    if found is None:
+        return ""
+    rows, metas = found
+    p = metas[0]["params"]
+    table = pd.DataFrame({"stack": [LABEL.get(s, s) for s in dict.fromkeys(rows["stack"])]})
+    for quantity, heading in CHECKED.items():
+        chosen = rows[rows["quantity"] == quantity].set_index("stack")
+        table[heading] = [f"{chosen.loc[s, 'error']:.2e} (≤ {chosen.loc[s, 'bound']:.2e}) "
+                          f"{'pass' if str(chosen.loc[s, 'passed']) == 'True' else 'FAIL'}"
+                          for s in dict.fromkeys(rows["stack"])]
+    failed = rows[rows["passed"].astype(str) != "True"]
+    verdict = (f"Every stack passes all {len(CHECKED)} checks." if failed.empty else
+               "Failed: " + "; ".join(f"{LABEL.get(r['stack'], r['stack'])} ({CHECKED.get(r['quantity'], r['quantity'])})"
+                                      for _, r in failed.iterrows()) + ".")
+    return "\n".join([
+        provenance_line(metas),
+        "",
+        "**Does every stack train as the plain model does?** A small model (d_model "
+        f"{p['d_model']}, d_ff {p['d_ff']}, {p['num_heads']} heads, {p['num_layers']} layers, vocabulary "
+        f"{p['vocab_size']:,}, context {p['context_length']:,}, batch {p['batch_size']}), the same initial weights "
+        f"and batch for every stack, {p['steps']} AdamW steps in {p['dtype']}. Relative error ‖x − ref‖ / ‖ref‖ "
+        f"against the plain model in float32 (TF32 off); the bound is {p['tolerance']:g} × the plain model's own "
+        f"error in {p['dtype']} (what that dtype's rounding alone costs) + {p['floor']:g}. \"Loss, every step\" is the largest "
+        "relative error of the loss over all the steps.",
+        "",
+        text_md(table),
+        "",
+        verdict,
+    ])
 
 
 def components_text(ctx: Context) -> str:
