@@ -109,6 +109,12 @@ def check_text(ctx: Context) -> str:
     verdict = (f"Every stack passes all {len(CHECKED)} checks." if failed.empty else
                "Failed: " + "; ".join(f"{LABEL.get(r['stack'], r['stack'])} ({CHECKED.get(r['quantity'], r['quantity'])})"
                                       for _, r in failed.iterrows()) + ".")
+    curve = rows[rows["quantity"] == "loss_curve"].set_index("stack")
+    drift = (f" Over the {p['steps']} steps the plain model's loss in {p['dtype']} drifts up to "
+             f"{curve['yardstick'].iloc[0] * 100:.3g}% from float32's" if p["dtype"] != "float32" else "")
+    if drift and "ours_fp32_master" in curve.index:
+        drift += f"; with float32 master weights ours stays within {curve.loc['ours_fp32_master', 'error'] * 100:.3g}%"
+    verdict += drift + ("." if drift else "")
     return "\n".join([
         provenance_line(metas),
         "",
