@@ -48,6 +48,8 @@ from cs336_systems.profiling import MATMUL, profile_step
 LEADERBOARD = {"d_model": 4096, "d_ff": 11_008, "num_layers": 34, "num_heads": 32, "vocab_size": 151_936,
                "context_length": 32_768}
 HEADS = ("eager", "chunked", "fused")
+# The run's dtypes by name (weights, gradients and AdamW state; a *_fp32_master stack's compute).
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Dense bf16 tensor-core peak (TFLOP/s) by a substring of the device's name; MFU is left out elsewhere.
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 

@@ -46,6 +46,7 @@ from cs336_systems.distributed import BACKENDS, distributed
 from cs336_systems.fsdp import FullyShardedDataParallel
 from cs336_systems.provenance import write_rows
 from cs336_systems.train_step_benchmarking import (
+    DTYPES,
     LEADERBOARD,
     STACKS,
     TrainStep,
@@ -53,8 +54,6 @@ from cs336_systems.train_step_benchmarking import (
     model_flops,
     peak_tflops,
 )
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -176,8 +175,7 @@ def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torc
     peak = peak_tflops(device)
     row = {"kind": "cell", "stack": stack, "attention": s.attention, "head": s.head, "checkpoint": s.checkpoint,
            "compiled": s.compile_blocks and not args.no_compile, "optimizer": s.optimizer, "sharding": s.sharding,
-           "world_size": world,
-           "num_layers": num_layers, "d_model": args.d_model,
+           "world_size": world, "num_layers": num_layers, "d_model": args.d_model,
            "d_ff": args.d_ff, "num_heads": args.num_heads, "vocab_size": args.vocab_size,
            "context_length": args.context_length, "batch_size": args.batch_size, "dtype": args.dtype,
            "weights": "float32" if s.fp32_master else args.dtype, "model_tflop": flops / 1e12,

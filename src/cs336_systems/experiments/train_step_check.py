@@ -25,9 +25,8 @@ import torch
 from cs336_systems import cli
 from cs336_systems.benchmarking import resolve_device
 from cs336_systems.provenance import write_rows
-from cs336_systems.train_step_benchmarking import STACKS, Stack, TrainStep
+from cs336_systems.train_step_benchmarking import DTYPES, STACKS, Stack, TrainStep
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 ONE_DEVICE = [s for s, stack in STACKS.items() if stack.sharding == "none"]
 
 
