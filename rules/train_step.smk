@@ -5,10 +5,10 @@ TRAIN_STEP = R["train_step"]
 TRAIN_STEP_CSV = f"{RESULTS}/train_step/{{stack}}.csv"
 
 
-def train_step_options():
-    """The CLI flags of the run's settings that differ by device (do_bench's times on CUDA, steps elsewhere)."""
-    flags = [f"--{key.replace('_', '-')} {TRAIN_STEP[key]}" for key in ("warmup_ms", "rep_ms", "steps")
-             if key in TRAIN_STEP]
+def train_step_options(settings=TRAIN_STEP):
+    """The CLI flags of the settings that differ by device (do_bench's times on CUDA, steps elsewhere)."""
+    flags = [f"--{key.replace('_', '-')} {settings[key]}" for key in ("warmup_ms", "rep_ms", "steps")
+             if key in settings]
     return " ".join(flags + ([] if TRAIN_STEP["compile"] else ["--no-compile"]))
 
 
@@ -115,6 +115,45 @@ if CHECK:
             "--dtype {params.dtype} {params.compile} --device {params.device} --out {output.csv} 2> {log}"
 
     WRITEUP_INPUTS.append(CHECK_CSV)
+
+
+# The spec's rule for the leaderboard's run: from an empty PyTorch/Triton cache, the whole run (build, compile,
+# autotune, do_bench with the spec's warm-up and repetition) ends within 10 minutes. One job per stack, one depth,
+# its own process and a new empty cache folder (`--cold-cache`).
+COLD = TRAIN_STEP.get("cold")
+COLD_CSV = f"{RESULTS}/train_step_cold/{{stack}}.csv"
+if COLD:
+
+    rule train_step_cold:
+        input:
+            TRAIN_STEP_CODE,
+        output:
+            csv=report(COLD_CSV, caption="report/train_step.rst", category="Results",
+                       subcategory="9 The leaderboard's training step"),
+            json=f"{RESULTS}/train_step_cold/{{stack}}.json",
+        wildcard_constraints:
+            stack="|".join(COLD["stacks"]),
+        params:
+            dims=TRAIN_STEP_DIMS,
+            num_layers=COLD["num_layers"],
+            dtype=TRAIN_STEP["dtype"],
+            options=train_step_options(COLD),
+            device=R["device"],
+            gpus_ok=lambda w: gpus_ok(GPU_JOB, COLD_CSV.format(**w)),
+        threads: NEEDS["heavy"].threads
+        resources:
+            **job("heavy", gpu=GPU_JOB),
+        log:
+            f"{RESULTS}/logs/train_step/cold_{{stack}}.log",
+        conda:
+            ENV
+        shell:
+            "pin_gpus {resources.gpu}; "
+            "python -m cs336_systems.experiments.train_step_benchmark {params.dims} --num-layers {params.num_layers} "
+            "--stacks {wildcards.stack} --dtype {params.dtype} {params.options} --cold-cache --device {params.device} "
+            "--out {output.csv} 2> {log}"
+
+    WRITEUP_INPUTS += expand(COLD_CSV, stack=COLD["stacks"])
 
 
 # The leaderboard as the spec runs it: the sharded stacks (FSDP2's native stack, ours, the plain baseline under our

@@ -290,6 +290,16 @@ def test_gpu_run_requests_the_gpus_each_rule_needs(cluster):
     assert not list((workdir / "results/gpu").rglob("*.csv"))
 
 
+def test_every_job_that_needs_a_gpu_goes_to_the_gpu_partition(cluster):
+    """The whole GPU run, planned through the profile: a GPU rule missing from its set-resources would go to the
+    CPU partition with a request for GPUs."""
+    planned = plan(cluster, "report/writeup.md", "--forceall", "--config", "run=gpu")
+    assert ("train_step_cold", "ours") in planned  # (the whole run, not a part)
+    misplaced = sorted({rule for (rule, _), needs in planned.items()
+                        if int(needs["gpu"]) > 0 and needs["slurm_partition"] != "gpu"})
+    assert not misplaced, f"add to profiles/slurm/config.yaml set-resources: {misplaced}"
+
+
 def test_fsdp_on_two_nodes_runs_one_launcher_per_node(cluster):
     """An FSDP job of world size 2 on 2 nodes: sbatch asks for the nodes, and an srun task per node starts a
     launcher; the two meet at the rendezvous derived from the job and train as one job of two ranks."""

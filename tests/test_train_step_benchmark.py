@@ -9,6 +9,7 @@ import sys
 TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ["TRITON_INTERPRET"] = "1"
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -144,6 +145,38 @@ def test_cli_writes_cells_and_the_per_layer_fit(tmp_path: Path):
         assert fits.loc[stack, "per_layer_ms"] == pytest.approx(two - one)
         assert fits.loc[stack, "step_ms"] == pytest.approx(one + 33 * (two - one))
         assert fits.loc[stack, "status"] == "extrapolated" and "34 layers" in fits.loc[stack, "reason"]
+
+
+@launches_kernels
+def test_cli_clocks_each_cell_from_empty_caches(tmp_path: Path, monkeypatch):
+    """--cold-cache: Inductor and Triton write into a new folder, gone after the run (torch's fresh_cache), and
+    every cell says how long its build, first step and the run up to its timing's end took."""
+    import torch._inductor.utils
+
+    seen = []
+    fresh_cache = torch._inductor.utils.fresh_cache
+
+    def watched_fresh_cache():
+        with fresh_cache():
+            seen.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+            assert os.listdir(seen[-1]) == []  # empty when the run starts
+            yield
+
+    monkeypatch.setattr(torch._inductor.utils, "fresh_cache", contextlib.contextmanager(watched_fresh_cache))
+    out = tmp_path / "cold.csv"
+    train_step_benchmark.main([
+        "--out", str(out), "--d-model", "32", "--d-ff", "48", "--num-heads", "2", "--vocab-size", "61",
+        "--context-length", "16", "--num-layers", "1", "2", "--batch-size", "2", "--stacks", "ours",
+        "--dtype", "float32", "--no-compile", "--steps", "1", "--cold-cache", "--device", "cpu",
+    ])
+    assert len(seen) == 1 and not os.path.exists(seen[0])
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != seen[0]
+    rows = pd.read_csv(out)
+    cells = rows[rows["kind"] == "cell"].set_index("num_layers")
+    assert (cells[["build_s", "first_step_s"]] > 0).all().all()
+    # the run's clock keeps going from cell to cell, past each one's build and first step
+    assert cells.loc[2, "elapsed_s"] > cells.loc[1, "elapsed_s"] + cells.loc[2, "build_s"] + cells.loc[2, "first_step_s"]
+    assert rows.loc[rows["kind"] == "fit", ["build_s", "first_step_s", "elapsed_s"]].isna().all().all()
 
 
 def test_components_split_a_profiled_step(tmp_path: Path):

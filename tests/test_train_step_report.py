@@ -173,3 +173,32 @@ def test_check_table_states_bounds_and_failures(tmp_path):
     assert re.search(r"\| ours with SDPA's attention +\| 3.00e-02 \(≤ 2.00e-02\) FAIL", text)
     assert "Failed: ours with SDPA's attention (loss); ours with SDPA's attention (gradients)" in text
     assert "Over the 20 steps the plain model's loss in bfloat16 drifts up to 1% from float32's." in text
+
+
+def test_cold_run_against_the_ten_minute_rule_and_the_fit(tmp_path):
+    """Ours ran in 420 s from empty caches, the native stack in 650 s; ours's fit (100 + 120 ms per layer) predicts
+    2,980 ms at 24 layers, where ours measured 3,129 ms (+5%)."""
+    fits = pd.DataFrame([{"stack": "ours", "intercept_ms": 100.0, "per_layer_ms": 120.0},
+                         {"stack": "native", "intercept_ms": 300.0, "per_layer_ms": 110.0}]).set_index("stack")
+    rows = [{"kind": "cell", "stack": stack, "num_layers": 24, "status": "ok", "step_ms": step, "peak_mib": 9e4,
+             "mfu": 0.5, "build_s": 12.0, "first_step_s": first, "elapsed_s": elapsed}
+            for stack, step, first, elapsed in (("ours", 3129.0, 95.0, 420.0), ("native", 2940.0, 300.0, 650.0))]
+    rows.append({"kind": "cell", "stack": "plain", "num_layers": 24, "status": "OOM", "step_ms": NAN, "peak_mib": NAN,
+                 "mfu": NAN, "build_s": NAN, "first_step_s": NAN, "elapsed_s": NAN})
+    params = {**PARAMS, "num_layers": [24], "warmup_ms": 10000, "rep_ms": 30000}
+    for stack in ("ours", "native", "plain"):
+        write_rows(pd.DataFrame([r for r in rows if r["stack"] == stack]),
+                   tmp_path / f"results/train_step_cold/{stack}.csv", params)
+    text = train_step.cold_text(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"), fits)
+    assert "the spec's 10 s of warm-up and 30 s of repetition" in text
+    assert re.search(r"\| ours +\| 24 +\| 12.0 +\| 95.0 +\| 3,129.0 +\| 50.0% +\| 420 +\| pass", text)
+    assert re.search(r"\| PyTorch-native stack +\| 24 .*\| 650 +\| FAIL", text)
+    assert re.search(r"\| plain TransformerLM .*\| OOM +\| — +\| — +\| —", text)
+    assert "Over the 10 minutes: PyTorch-native stack took 650 s, 300 s of them in the first step." in text
+    assert "ours 3,129.0 ms measured against 2,980.0 ms predicted (+5.0%)" in text
+    assert "PyTorch-native stack 2,940.0 ms measured against 2,940.0 ms predicted (±0.0%)" in text
+    native = pd.DataFrame([r for r in rows if r["stack"] == "native"]).assign(elapsed_s=500.0)
+    write_rows(native, tmp_path / "results/train_step_cold/native.csv", params)
+    text = train_step.cold_text(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"), fits)
+    assert ("Every run that fitted ended within the 10 minutes; the longest: PyTorch-native stack took 500 s, 300 s "
+            "of them in the first step." in text)

@@ -27,11 +27,23 @@ PYTORCH_CUDA_ALLOC_CONF says otherwise. Peak memory is the largest rank's; `worl
 MFU count every rank's tokens over every rank's GPU. Our FSDP also counts, in the timed steps, the compute
 stream's wait for all-gathers (`gather_wait_ms`) and at the final synchronisation (`sync_wait_ms`): the median
 over steps, the largest rank's.
+
+Every cell also says how long it took to get there (the spec's rule: from an empty PyTorch/Triton cache the whole
+benchmarking run ends within 10 minutes): `build_s` (model and optimizer), `first_step_s` (one step before the
+timing: where torch.compile compiles and our kernels autotune) and `elapsed_s` (from the CLI's start, imports
+included, to the end of the cell's timing; the largest rank's). `--cold-cache` runs everything with
+Inductor's and Triton's on-disk caches in a new empty folder (`torch._inductor.utils.fresh_cache`), as on a
+fresh machine.
 """
 
 from __future__ import annotations
 
+import time
+
+STARTED = time.perf_counter()  # before torch is imported: the run's clock counts the imports
+
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -55,6 +67,9 @@ from cs336_systems.train_step_benchmarking import (
     peak_tflops,
 )
 
+# A cell's clock (seconds): building the model and optimizer, the first step, the CLI's start to the timing's end.
+CLOCK = ("build_s", "first_step_s", "elapsed_s")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
@@ -75,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extrapolate-layers", type=cli.positive_int, default=LEADERBOARD["num_layers"])
     p.add_argument("--backend", choices=BACKENDS, default=None,
                    help="under the launcher: the process group's backend (default: nccl with GPUs, else gloo)")
+    p.add_argument("--cold-cache", action="store_true",
+                   help="compile and autotune from empty on-disk caches (Inductor's, Triton's), as on a fresh machine")
     p.add_argument("--components", action="store_true",
                    help="also profile one step per cell: time per component (attention, matmul, ...) rows")
     cli.add_device(p)
@@ -117,8 +134,14 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
     dims = {name: getattr(args, name) for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length")}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
     train = TrainStep(STACKS[stack], {**dims, "num_layers": num_layers}, args.batch_size, device,
                       DTYPES[args.dtype], compile_blocks=not args.no_compile, head_chunk=args.head_chunk, seed=args.seed)
+    sync(device)
+    built = time.perf_counter()
+    train.step()  # the first step compiles and autotunes
+    sync(device)
+    clock = {"build_s": built - started, "first_step_s": time.perf_counter() - built}
     ours = isinstance(train.model, FullyShardedDataParallel)
     records = []
     if ours:  # its waits, counted in the timed steps (a few CUDA events per unit)
@@ -132,6 +155,7 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
         train.sync_gradients = finish_and_record
     step_ms = time_step(train, device, args)
     sync(device)
+    clock["elapsed_s"] = time.perf_counter() - STARTED
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
     waits = {}
     alone = {}
@@ -143,9 +167,11 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
         stats = [record.stats() for record in records[-args.steps :]]
         waits = {f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3 for key in ("gather_wait", "sync_wait")}
     if dist.is_initialized():  # the largest rank's
-        peak, *waits_max = (max(values) for values in zip(*gather_to_all([peak, *waits.values()]), strict=True))
-        waits = dict(zip(waits, waits_max, strict=True))
-    return {"step_ms": step_ms, "peak_mib": peak, **waits, **alone,
+        peak, *largest = (max(values) for values in
+                          zip(*gather_to_all([peak, *waits.values(), *clock.values()]), strict=True))
+        waits = dict(zip(waits, largest[: len(waits)], strict=True))
+        clock = dict(zip(clock, largest[len(waits) :], strict=True))
+    return {"step_ms": step_ms, "peak_mib": peak, **clock, **waits, **alone,
             "components": component_times(train, device) if args.components else {}}
 
 
@@ -206,7 +232,7 @@ def fit_rows(cells: list[dict], extrapolate_layers: int, peak: float | None) -> 
         rows.append(first | {
             "kind": "fit", "num_layers": extrapolate_layers, "per_layer_ms": slope, "intercept_ms": intercept,
             "step_ms": step_ms, "peak_mib": float("nan"), "gather_wait_ms": float("nan"),
-            "sync_wait_ms": float("nan"), "model_tflop": flops / 1e12,
+            "sync_wait_ms": float("nan"), **dict.fromkeys(CLOCK, float("nan")), "model_tflop": flops / 1e12,
             "mfu": flops / (step_ms / 1e3) / (world * peak * 1e12) if peak else float("nan"), "status": "extrapolated",
             "reason": f"intercept + slope x {extrapolate_layers} layers, least squares over depths {depths}"})
     return rows
@@ -225,22 +251,33 @@ def main(argv: list[str] | None = None) -> None:
         run(args, ctx.device)
 
 
+def compile_caches(cold: bool):
+    """Inductor's and Triton's on-disk caches in a new empty folder, removed after (PyTorch's own helper), or the
+    usual ones."""
+    if not cold:
+        return contextlib.nullcontext()
+    from torch._inductor.utils import fresh_cache  # imports triton: only once TRITON_INTERPRET is settled
+
+    return fresh_cache()
+
+
 def run(args: argparse.Namespace, device: torch.device) -> None:
     """Every (stack, depth) cell, the fits; rank 0 (or the only process) writes them."""
     if device.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernels import triton
     main_rank = not dist.is_initialized() or dist.get_rank() == 0
     cells, parts = [], []
-    for stack in args.stacks:
-        for num_layers in args.num_layers:
-            result = or_oom(lambda s=stack, n=num_layers: measure(s, n, args, device))
-            cells.append(cell_row(stack, num_layers, args, device, result))
-            if result != "OOM":
-                parts += [{"kind": "component", "stack": stack, "num_layers": num_layers, "component": name,
-                           "component_ms": ms, "status": "ok"} for name, ms in result["components"].items()]
-            shown = "OOM" if result == "OOM" else f"{result['step_ms']:.1f} ms, peak {result['peak_mib']:.0f} MiB"
-            if main_rank:
-                print(f"[train_step] {stack} x {num_layers} layers: {shown}", file=sys.stderr, flush=True)
+    with compile_caches(args.cold_cache):
+        for stack in args.stacks:
+            for num_layers in args.num_layers:
+                result = or_oom(lambda s=stack, n=num_layers: measure(s, n, args, device))
+                cells.append(cell_row(stack, num_layers, args, device, result))
+                if result != "OOM":
+                    parts += [{"kind": "component", "stack": stack, "num_layers": num_layers, "component": name,
+                               "component_ms": ms, "status": "ok"} for name, ms in result["components"].items()]
+                shown = "OOM" if result == "OOM" else f"{result['step_ms']:.1f} ms, peak {result['peak_mib']:.0f} MiB"
+                if main_rank:
+                    print(f"[train_step] {stack} x {num_layers} layers: {shown}", file=sys.stderr, flush=True)
     if main_rank:
         fits = fit_rows(cells, args.extrapolate_layers, peak_tflops(device))
         write_rows(cells + fits + parts, args.out, cli.params(args))
