@@ -110,6 +110,7 @@ def cold_text(ctx: Context, fits: pd.DataFrame) -> str:
             "build (s)": f"{c['build_s']:.1f}" if ok else "—",
             "first step: compile + autotune (s)": f"{c['first_step_s']:.1f}" if ok else "—",
             "step (ms)": f"{c['step_ms']:,.1f}" if ok else c["status"],
+            "peak (GiB)": f"{c['peak_mib'] / 1024:,.1f}" if ok and pd.notna(c["peak_mib"]) else "—",
             "MFU": f"{c['mfu']:.1%}" if ok and pd.notna(c["mfu"]) else "—",
             "whole run (s)": f"{c['elapsed_s']:.0f}" if ok else "—",
             f"≤ {COLD_LIMIT_S} s": ("pass" if c["elapsed_s"] <= COLD_LIMIT_S else "FAIL") if ok else "—",
@@ -138,7 +139,8 @@ def cold_text(ctx: Context, fits: pd.DataFrame) -> str:
         "",
         "**The spec's run and its 10-minute rule.** One process per stack from empty PyTorch and Triton caches "
         "(Inductor's and Triton's on-disk caches in a new folder: everything compiles and autotunes afresh), "
-        f"timed as the spec times the leaderboard: {timing}. Build: the model and optimizer; first step: the step "
+        f"{p['batch_size']} sequence(s) of {p['context_length']:,} tokens at the depth in the table, timed as the "
+        f"spec times the leaderboard: {timing}. Build: the model and optimizer; first step: the step "
         "before the timing, where torch.compile compiles and our kernels autotune; whole run: from the process's "
         "start, imports included, to the end of the timing. The rule: from an empty cache the whole run ends within "
         "10 minutes.",
