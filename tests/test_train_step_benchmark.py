@@ -140,6 +140,12 @@ def test_cli_writes_cells_and_the_per_layer_fit(tmp_path: Path):
     assert len(cells) == 4 and (cells["status"] == "ok").all() and (cells["step_ms"] > 0).all()
     assert (cells["weights"] == "float32").all()
     assert (cells["updated_fraction"] == 1).all()  # float32 weights keep every update, weight decay's too
+    # float32 weights and gradients of the same size, AdamW's two moments twice that (and our kernel's step counts
+    # are Python numbers); the deeper model holds more
+    assert (cells["gradients_mib"] == cells["weights_mib"]).all()
+    assert ((cells["optimizer_state_mib"] - 2 * cells["weights_mib"]).abs() < 1e-3).all()
+    assert cells.set_index(["stack", "num_layers"])["weights_mib"].loc[("ours", 2)] > cells.set_index(
+        ["stack", "num_layers"])["weights_mib"].loc[("ours", 1)]
     for stack, ran in cells.groupby("stack"):
         two, one = ran.set_index("num_layers")["step_ms"].loc[[2, 1]]
         assert fits.loc[stack, "per_layer_ms"] == pytest.approx(two - one)

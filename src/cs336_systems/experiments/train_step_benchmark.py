@@ -12,7 +12,8 @@ per-layer time = the least-squares slope of step time over depth, and the extrap
 `--extrapolate-layers` layers = intercept + slope × layers, labelled as such. On one device each cell also gives
 `updated_fraction`, the share of the weights one more step changes (an AdamW update of about the learning rate
 is lost on a bf16 weight more than ~256x its size; float32 master weights keep it), and `optimizer_ms`,
-`optimizer.step()` timed alone. With `--components`, one more profiled step per cell gives `component` rows: its
+`optimizer.step()` timed alone, and the memory the model keeps between steps (`weights_mib`, `gradients_mib`,
+`optimizer_state_mib`). With `--components`, one more profiled step per cell gives `component` rows: its
 kernels' time by component (attention, head + loss, optimizer, matmul, the rest;
 train_step_benchmarking.COMPONENTS).
 
@@ -160,6 +161,7 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
     waits = {}
     alone = {}
     if not dist.is_initialized():  # a step that fit may still find no room for the copy: then no fraction
+        alone |= state_mib(train)
         fraction = or_oom(lambda: updated_fraction(train))
         alone["updated_fraction"] = float("nan") if fraction == "OOM" else fraction
         alone["optimizer_ms"] = optimizer_ms(train, device, args)
@@ -173,6 +175,16 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
         clock = dict(zip(clock, largest[len(waits) :], strict=True))
     return {"step_ms": step_ms, "peak_mib": peak, **clock, **waits, **alone,
             "components": component_times(train, device) if args.components else {}}
+
+
+def state_mib(train: TrainStep) -> dict[str, float]:
+    """MiB of what the model keeps from step to step: its weights, their gradients (still there after a step) and
+    the optimizer's state; the rest of the peak is activations and temporaries."""
+    mib = lambda tensors: sum(t.numel() * t.element_size() for t in tensors) / 2**20
+    params = list(train.model.parameters())
+    return {"weights_mib": mib(params), "gradients_mib": mib(p.grad for p in params if p.grad is not None),
+            "optimizer_state_mib": mib(v for state in train.optimizer.state.values() for v in state.values()
+                                       if torch.is_tensor(v))}
 
 
 def updated_fraction(train: TrainStep) -> float:

@@ -68,6 +68,7 @@ def render(ctx: Context) -> str:
         text_md(cell_table(cells, stacks)),
         "",
         *(part for sentence in (updates_lost(cells), optimizer_worth(cells)) if sentence for part in (sentence, "")),
+        *(part for text in (memory_text(cells, stacks),) if text for part in (text, "")),
     ]
     if len(fits):
         out += [
@@ -273,6 +274,37 @@ def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
                 row[heading] = fmt.format(c[column]) if pd.notna(c[column]) else "—"
             rows.append(row)
     return pd.DataFrame(rows)
+
+
+# What the model keeps from step to step, as each one-GPU cell measured it (the rest of the peak is activations and
+# temporaries).
+STATE = {"weights_mib": "weights", "gradients_mib": "gradients", "optimizer_state_mib": "AdamW state"}
+
+
+def memory_text(cells: pd.DataFrame, stacks: list[str]) -> str | None:
+    """Peak memory at the deepest depth by what holds it: weights, gradients and AdamW state (measured from the
+    tensors), and the rest of the peak, activations and temporaries."""
+    if not set(STATE) <= set(cells) or cells["weights_mib"].isna().all():
+        return None
+    deepest = int(cells.dropna(subset=["weights_mib"])["num_layers"].max())
+    at = cells[(cells["num_layers"] == deepest) & cells["weights_mib"].notna()].set_index("stack")
+    shown = [s for s in stacks if s in at.index]
+    gib = lambda s, column: at.loc[s, column] / 1024
+    rest = {s: gib(s, "peak_mib") - sum(gib(s, c) for c in STATE) for s in shown}
+    table = pd.DataFrame({
+        "stack": [LABEL.get(s, s) for s in shown],
+        **{f"{name} (GiB)": [f"{gib(s, c):,.1f}" for s in shown] for c, name in STATE.items()},
+        "activations and temporaries (GiB)": [f"{rest[s]:,.1f}" for s in shown],
+        "peak (GiB)": [f"{gib(s, 'peak_mib'):,.1f}" for s in shown],
+    })
+    least = min(rest, key=rest.get)
+    text = (f"**Peak memory at {deepest} layers by what holds it.** Weights, gradients (still held after a step) and "
+            "the optimizer's state, summed over their tensors after the timing; activations and temporaries = peak − "
+            f"those.\n\n{text_md(table)}\n\nThe fewest activations and temporaries: {LABEL.get(least, least)}, "
+            f"{rest[least]:,.1f} GiB")
+    if "native" in rest and least != "native":
+        text += f", {rest['native'] - rest[least]:,.1f} GiB fewer than the PyTorch-native stack's"
+    return text + "."
 
 
 def fit_table(fits: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
