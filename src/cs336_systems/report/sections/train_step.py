@@ -82,7 +82,7 @@ def render(ctx: Context) -> str:
             "",
             goal_text(fits),
         ]
-    out += [part for text in (cold_text(ctx, fits), check_text(ctx), components_text(ctx), sharded_text(ctx))
+    out += [part for text in (cold_text(ctx, fits, commits(metas)), check_text(ctx), components_text(ctx), sharded_text(ctx))
             if text for part in ("", text)]
     return "\n".join(part for part in out if part is not None)
 
@@ -91,7 +91,11 @@ def render(ctx: Context) -> str:
 COLD_LIMIT_S = 600
 
 
-def cold_text(ctx: Context, fits: pd.DataFrame) -> str:
+def commits(metas: list[dict]) -> set[str]:
+    return {str(m["provenance"].get("git_commit"))[:10] for m in metas}
+
+
+def cold_text(ctx: Context, fits: pd.DataFrame, fit_commits: set[str] = frozenset()) -> str:
     """The run as the spec times it, per stack, from empty compile and autotune caches: each part's wall time against
     the 10-minute rule, and the measured step against what the per-layer fit predicts at that depth."""
     found = ctx.table("train_step_cold")
@@ -135,6 +139,9 @@ def cold_text(ctx: Context, fits: pd.DataFrame) -> str:
     if predicted:
         verdict += (" The per-layer fit above, against this measurement at a depth it did not see: "
                     + "; ".join(predicted) + ".")
+        if fit_commits and fit_commits != commits(metas):
+            verdict += (f" (The fit comes from the run at {', '.join(sorted(fit_commits))}, this measurement from "
+                        f"the run at {', '.join(sorted(commits(metas)))}.)")
     return "\n".join([
         provenance_line(metas),
         "",
@@ -297,14 +304,15 @@ def memory_text(cells: pd.DataFrame, stacks: list[str]) -> str | None:
         "activations and temporaries (GiB)": [f"{rest[s]:,.1f}" for s in shown],
         "peak (GiB)": [f"{gib(s, 'peak_mib'):,.1f}" for s in shown],
     })
-    least = min(rest, key=rest.get)
     text = (f"**Peak memory at {deepest} layers by what holds it.** Weights, gradients (still held after a step) and "
             "the optimizer's state, summed over their tensors after the timing; activations and temporaries = peak − "
-            f"those.\n\n{text_md(table)}\n\nThe fewest activations and temporaries: {LABEL.get(least, least)}, "
-            f"{rest[least]:,.1f} GiB")
-    if "native" in rest and least != "native":
-        text += f", {rest['native'] - rest[least]:,.1f} GiB fewer than the PyTorch-native stack's"
-    return text + "."
+            f"those.\n\n{text_md(table)}")
+    if {"ours", "native"} <= set(rest):
+        state = lambda s: sum(gib(s, c) for c in STATE)
+        text += (f"\n\nOurs against the PyTorch-native stack at {deepest} layers: activations and temporaries "
+                 f"{signed(rest['ours'] - rest['native'])} GiB, weights, gradients and AdamW state "
+                 f"{signed(state('ours') - state('native'))} GiB.")
+    return text
 
 
 def fit_table(fits: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
