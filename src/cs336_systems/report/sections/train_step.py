@@ -67,8 +67,8 @@ def render(ctx: Context) -> str:
         "",
         text_md(cell_table(cells, stacks)),
         "",
-        *(part for sentence in (updates_lost(cells), optimizer_worth(cells)) if sentence for part in (sentence, "")),
-        *(part for text in (memory_text(cells, stacks),) if text for part in (text, "")),
+        *(part for text in (updates_lost(cells), optimizer_worth(cells), memory_text(cells, stacks)) if text
+          for part in (text, "")),
     ]
     if len(fits):
         out += [
@@ -82,8 +82,8 @@ def render(ctx: Context) -> str:
             "",
             goal_text(fits),
         ]
-    out += [part for text in (cold_text(ctx, fits, commits(metas)), check_text(ctx), components_text(ctx), sharded_text(ctx))
-            if text for part in ("", text)]
+    later = (cold_text(ctx, fits, commits(metas)), check_text(ctx), components_text(ctx), sharded_text(ctx))
+    out += [part for text in later if text for part in ("", text)]
     return "\n".join(part for part in out if part is not None)
 
 
