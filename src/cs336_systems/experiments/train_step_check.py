@@ -55,15 +55,10 @@ def train(stack: Stack, args: argparse.Namespace, device: torch.device, dtype: t
                      head_chunk=args.head_chunk, seed=args.seed)
     losses, grads, weights = [], None, None
     for i in range(args.steps):
-        step.optimizer.zero_grad(set_to_none=True)
-        loss = step.loss()
-        loss.backward()
-        if i == 0:
+        losses.append(step.step().item())
+        if i == 0:  # the step's gradients stay until the next one's zero_grad; the optimizer leaves them as they are
             grads = torch.cat([p.grad.detach().float().flatten().cpu() for p in step.model.parameters()])
-        step.optimizer.step()
-        if i == 0:
             weights = torch.cat([p.detach().float().flatten().cpu() for p in step.model.parameters()])
-        losses.append(loss.item())
     return torch.tensor(losses, dtype=torch.float64), grads, weights
 
 
