@@ -15,6 +15,13 @@ def enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def use_off_cuda(device) -> None:
+    """A CLI's choice: off CUDA our kernels run in the interpreter (unless the environment says otherwise). Call it
+    before anything imports triton."""
+    if device.type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def patch() -> None:
     """Work around three gaps of the Triton 3.6 interpreter (idempotent):
 

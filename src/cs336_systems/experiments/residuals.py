@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 
-from cs336_systems import cli, residuals
+from cs336_systems import cli, residuals, triton_interpreter
 from cs336_systems.benchmarking import is_oom, resolve_device, rows_or_oom
 from cs336_systems.model import ModelConfig
 from cs336_systems.provenance import write_rows
@@ -95,8 +94,7 @@ def config_rows(args, module: str, mode: str, attention: str, heads: int, device
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = resolve_device(args.device)
-    if device.type != "cuda":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before flash imports triton's kernels
+    triton_interpreter.use_off_cuda(device)
     rows = []
     for module, mode, attention, heads in configurations(args):
         rows += config_rows(args, module, mode, attention, heads, device)

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cs336_systems import cli
+from cs336_systems import cli, triton_interpreter
 from cs336_systems.benchmarking import or_oom, resolve_device, sync, time_steps
 from cs336_systems.distributed import BACKENDS, distributed
 from cs336_systems.fsdp import FullyShardedDataParallel
@@ -275,8 +275,7 @@ def compile_caches(cold: bool):
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
     """Every (stack, depth) cell, the fits; rank 0 (or the only process) writes them."""
-    if device.type != "cuda":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernels import triton
+    triton_interpreter.use_off_cuda(device)
     main_rank = not dist.is_initialized() or dist.get_rank() == 0
     cells, parts = [], []
     with compile_caches(args.cold_cache):

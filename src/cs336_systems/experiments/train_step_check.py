@@ -18,11 +18,10 @@ the yardstick is zero).
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
-from cs336_systems import cli
+from cs336_systems import cli, triton_interpreter
 from cs336_systems.benchmarking import resolve_device
 from cs336_systems.provenance import write_rows
 from cs336_systems.train_step_benchmarking import DTYPES, STACKS, Stack, TrainStep
@@ -93,8 +92,7 @@ def check_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = resolve_device(args.device)
-    if device.type != "cuda":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before our kernels import triton
+    triton_interpreter.use_off_cuda(device)
     write_rows(check_rows(args, device), args.out, cli.params(args))
 
 
