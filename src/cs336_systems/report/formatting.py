@@ -66,8 +66,7 @@ def provenance_line(metas: list[dict[str, Any]]) -> str:
     for meta in metas:
         p = meta["provenance"]
         seen = setups.setdefault(setup_text(p), {"commits": [], "dates": []})
-        commit = (p.get("git_commit") or "unknown")[:10] + (" (dirty)" if p.get("git_dirty") else "")
-        for key, value in (("commits", commit), ("dates", p["timestamp"][:10])):
+        for key, value in (("commits", commit_text(p)), ("dates", p["timestamp"][:10])):
             if value not in seen[key]:
                 seen[key].append(value)
     parts = [
@@ -76,6 +75,11 @@ def provenance_line(metas: list[dict[str, Any]]) -> str:
         for setup, seen in setups.items()
     ]
     return "_Measured on " + " | ".join(parts) + "._" if parts else ""
+
+
+def commit_text(p: dict[str, Any]) -> str:
+    """A provenance's commit as the writeup names it: 10 characters, and whether the checkout was dirty."""
+    return (p.get("git_commit") or "unknown")[:10] + (" (dirty)" if p.get("git_dirty") else "")
 
 
 def setup_text(p: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from cs336_systems.report.context import Context
-from cs336_systems.report.formatting import not_measured, not_run, provenance_line, text_md
+from cs336_systems.report.formatting import commit_text, not_measured, not_run, provenance_line, text_md
 
 LABEL = {
     "plain": "plain TransformerLM (the spec's naive baseline)",
@@ -92,7 +92,7 @@ COLD_LIMIT_S = 600
 
 
 def commits(metas: list[dict]) -> set[str]:
-    return {str(m["provenance"].get("git_commit"))[:10] for m in metas}
+    return {commit_text(m["provenance"]) for m in metas}
 
 
 def cold_text(ctx: Context, fits: pd.DataFrame, fit_commits: set[str] = frozenset()) -> str:
