@@ -115,8 +115,8 @@ def cold_text(ctx: Context, fits: pd.DataFrame, fit_commits: set[str] = frozense
             "build (s)": f"{c['build_s']:.1f}" if ok else "—",
             "first step: compile + autotune (s)": f"{c['first_step_s']:.1f}" if ok else "—",
             "step (ms)": f"{c['step_ms']:,.1f}" if ok else c["status"],
-            "peak (GiB)": f"{c['peak_mib'] / 1024:,.1f}" if ok and pd.notna(c["peak_mib"]) else "—",
-            "MFU": f"{c['mfu']:.1%}" if ok and pd.notna(c["mfu"]) else "—",
+            "peak (GiB)": peak_gib(c),
+            "MFU": mfu(c),
             "whole run (s)": f"{c['elapsed_s']:.0f}" if ok else "—",
             f"≤ {COLD_LIMIT_S} s": ("pass" if c["elapsed_s"] <= COLD_LIMIT_S else "FAIL") if ok else "—",
         })
@@ -274,8 +274,8 @@ def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
             row = {
                 "stack": LABEL.get(stack, stack), "layers": str(int(c["num_layers"])),
                 "step (ms)": f"{c['step_ms']:,.1f}" if ok else c["status"],
-                "peak (GiB)": f"{c['peak_mib'] / 1024:,.1f}" if ok and pd.notna(c["peak_mib"]) else "—",
-                "MFU": f"{c['mfu']:.1%}" if ok and pd.notna(c["mfu"]) else "—",
+                "peak (GiB)": peak_gib(c),
+                "MFU": mfu(c),
             }
             for column, (heading, fmt) in extra.items():
                 row[heading] = fmt.format(c[column]) if pd.notna(c[column]) else "—"
@@ -496,12 +496,21 @@ def sharded_table(cells: pd.DataFrame, stacks: list[str], ranks: str) -> pd.Data
                 "stack": LABEL.get(stack, stack), ranks: str(int(c["world_size"])),
                 "layers": str(int(c["num_layers"])),
                 "step (s)": seconds(c["step_ms"]) if ok else c["status"],
-                "MFU": f"{c['mfu']:.1%}" if ok and pd.notna(c["mfu"]) else "—",
-                "peak per GPU (GiB)": f"{c['peak_mib'] / 1024:,.1f}" if ok and pd.notna(c["peak_mib"]) else "—",
+                "MFU": mfu(c),
+                "peak per GPU (GiB)": peak_gib(c),
                 "exposed all-gather (ms)": wait(c, "gather_wait_ms"),
                 "synchronisation wait (ms)": wait(c, "sync_wait_ms"),
             })
     return pd.DataFrame(rows)
+
+
+def peak_gib(cell: pd.Series) -> str:
+    """A cell's allocator peak in GiB; a dash where it did not run or the device reports none."""
+    return f"{cell['peak_mib'] / 1024:,.1f}" if cell["status"] == "ok" and pd.notna(cell["peak_mib"]) else "—"
+
+
+def mfu(cell: pd.Series) -> str:
+    return f"{cell['mfu']:.1%}" if cell["status"] == "ok" and pd.notna(cell["mfu"]) else "—"
 
 
 def seconds(ms: float) -> str:
