@@ -225,3 +225,21 @@ def test_peak_memory_by_what_holds_it(tmp_path):
     assert re.search(r"\| PyTorch-native stack +\| 2.5 +\| 2.5 +\| 5.0 +\| 26.0 +\| 36.0 +\|", text)
     assert ("Ours against the PyTorch-native stack at 4 layers: activations and temporaries −6.0 GiB, weights, "
             "gradients and AdamW state ±0.0 GiB." in text)
+
+
+def test_one_gpu_goals_and_the_layer_that_would_meet_the_step_goal(tmp_path):
+    """Ours: 200 ms + 130 ms per layer = 4.62 s at 34 layers; meeting 4.2 s needs (4200 − 200) / 34 = 117.6 ms per
+    layer, 12.4 ms less. The native stack's 120 ms layer is the fastest, 2.4 ms above that bound."""
+    fits = pd.DataFrame([{"stack": stack, "num_layers": 34, "intercept_ms": intercept, "per_layer_ms": per_layer,
+                          "step_ms": intercept + 34 * per_layer}
+                         for stack, intercept, per_layer in (("ours", 200.0, 130.0), ("native", 330.0, 120.0))])
+    text = train_step.goal_text(fits.set_index("stack"))
+    assert goal(text, "per-layer time")[1:] == ["130.0 ms", "120.0 ms", "FAIL"]
+    assert goal(text, "34-layer step")[1:] == ["4.62 s", "≤ 4.2 s", "FAIL"]
+    assert "Ours meets 0 of the 2 one-GPU goals." in text
+    assert ("would have to take ((4.2 s − its 200.0 ms intercept) / 34 =) at most 117.6 ms, 12.4 ms less than it "
+            "does. The fastest layer in this run takes 120.0 ms (PyTorch-native stack), 2.4 ms above that bound."
+            in text)
+    fits.loc[0, "per_layer_ms"], fits.loc[0, "step_ms"] = 115.0, 200.0 + 34 * 115.0  # 4.11 s: both goals met
+    text = train_step.goal_text(fits.set_index("stack"))
+    assert "Ours meets 2 of the 2 one-GPU goals." in text and "would have to take" not in text

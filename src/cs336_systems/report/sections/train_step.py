@@ -412,7 +412,25 @@ def goal_text(fits: pd.DataFrame) -> str:
                         f"{native:.1f} ms", "pass" if ours["per_layer_ms"] <= native else "FAIL"))
     table = pd.DataFrame(rows, columns=["goal (one GPU)", "ours", "bound", "result"])
     met = (table["result"] == "pass").sum()
-    return f"{text_md(table)}\n\nOurs meets {met} of the {len(table)} one-GPU goals."
+    return "\n\n".join(part for part in (text_md(table), f"Ours meets {met} of the {len(table)} one-GPU goals.",
+                                          layer_needed(fits)) if part)
+
+
+def layer_needed(fits: pd.DataFrame) -> str | None:
+    """Where ours misses the step goal: the per-layer time that would meet it at ours's intercept, against ours's
+    and the fastest layer any stack of the run measured."""
+    ours = fits.loc["ours"]
+    if ours["step_ms"] / 1e3 <= GOAL_STEP_S:
+        return None
+    layers = int(ours["num_layers"])
+    needed = (GOAL_STEP_S * 1e3 - ours["intercept_ms"]) / layers
+    fastest = fits["per_layer_ms"].idxmin()
+    over = fits.loc[fastest, "per_layer_ms"] - needed
+    return (f"To meet {GOAL_STEP_S} s at {layers} layers, ours's layer would have to take (({GOAL_STEP_S} s − its "
+            f"{ours['intercept_ms']:,.1f} ms intercept) / {layers} =) at most {needed:,.1f} ms, "
+            f"{ours['per_layer_ms'] - needed:,.1f} ms less than it does. The fastest layer in this run takes "
+            f"{fits.loc[fastest, 'per_layer_ms']:,.1f} ms ({LABEL.get(fastest, fastest)}), "
+            f"{abs(over):,.1f} ms {'above' if over > 0 else 'within'} that bound.")
 
 
 def sharded_text(ctx: Context) -> str:
