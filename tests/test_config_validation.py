@@ -55,8 +55,8 @@ def test_unknown_run(workdir):
             "<top level>: Additional properties are not allowed ('model_sizes'",
         ),
         (
-            lambda c: c["runs"]["cpu"]["flash"].update(d_heads=[48]),
-            "runs.cpu.flash.d_heads.0: 48 is not one of",
+            lambda c: c["runs"]["cpu"]["flash"].update(d_heads=[300]),
+            "runs.cpu.flash.d_heads.0: 300 is greater than the maximum of 256",
         ),
         (
             lambda c: c["runs"]["cpu"].update(extra=1),

@@ -43,8 +43,9 @@ CLASSES = {"pytorch": FlashAttentionPyTorch, "triton": FlashAttentionTriton}
 # over many seeds their errors reach ~2%, O's ~0.8%.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
-# (leading batch shape, N_q, N_k, d, is_causal): odd lengths (ragged last tiles), N_q != N_k, and a length that is
-# a multiple of every interpreter tile (the unmasked EVEN path).
+# (leading batch shape, N_q, N_k, d, is_causal): odd lengths (ragged last tiles), N_q != N_k, a length that is
+# a multiple of every interpreter tile (the unmasked EVEN path), and head dims that are not powers of two (the
+# kernels pad their tiles to 16, 32, 128 and 256 columns), ragged or not.
 CASES = [
     ((), 33, 33, 16, True),
     ((2,), 47, 47, 32, False),
@@ -55,6 +56,10 @@ CASES = [
     ((1,), 33, 80, 16, True),
     ((1,), 40, 40, 128, True),
     ((1,), 130, 130, 64, True),
+    ((2,), 21, 21, 5, True),
+    ((1,), 47, 33, 24, False),
+    ((1,), 64, 64, 80, True),
+    ((1,), 33, 33, 160, True),
 ]
 
 
@@ -264,8 +269,8 @@ def test_rejects_bad_types_and_devices(impl):
 
 
 def test_triton_rejects_unsupported_head_dim_and_dtype():
-    q, k, v = _qkv(d=24)
-    with pytest.raises(ValueError, match=r"head dim d = 24 \(Q \(2, 16, 24\)\) is not supported"):
+    q, k, v = _qkv(d=257)
+    with pytest.raises(ValueError, match=r"head dim 257 is not supported by the Triton kernels \(they take 1 to 256\): Q \(2, 16, 257\)"):
         FlashAttentionTriton.apply(q, k, v, False)
     q, k, v = _qkv(dtype=torch.float64)
     with pytest.raises(TypeError, match=r"torch.float64 is not supported by the Triton kernels"):
@@ -396,7 +401,7 @@ def test_leaderboard_measurements_run_on_cpu(monkeypatch):
     "argv",
     [
         ["--seq-lens", "0", "--d-heads", "16", "--dtypes", "float32"],
-        ["--seq-lens", "128", "--d-heads", "24", "--dtypes", "float32"],
+        ["--seq-lens", "128", "--d-heads", "300", "--dtypes", "float32"],
         ["--seq-lens", "128", "--d-heads", "16", "--dtypes", "float16"],
         ["--seq-lens", "128", "--d-heads", "16", "--dtypes", "float32", "--rep-ms", "0"],
     ],
@@ -410,7 +415,7 @@ def test_flash_benchmark_validates_flags(argv, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--seq-len", "0"], ["--d-head", "48"], ["--rep-ms", "0"], ["--heads", "-1"]]
+    "argv", [["--seq-len", "0"], ["--d-head", "257"], ["--rep-ms", "0"], ["--heads", "-1"]]
 )
 def test_leaderboard_validates_flags(argv, tmp_path):
     from cs336_systems.experiments import leaderboard

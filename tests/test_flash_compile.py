@@ -50,6 +50,12 @@ if ON_GPU:
         (1, 8, 4097, 4097, 64, True, torch.bfloat16),
         (2, 1, 61, 61, 16, True, torch.float32),
         (1, 2, 1537, 1537, 128, False, torch.float32),
+        # head dims that are not powers of two, up to the widest (256-wide tiles, float32 included)
+        (1, 2, 1000, 1000, 80, True, torch.bfloat16),
+        (2, 2, 515, 515, 160, False, torch.float32),
+        (1, 3, 2048, 2048, 96, True, torch.float16),
+        (1, 2, 300, 300, 256, True, torch.bfloat16),
+        (2, 1, 100, 77, 8, False, torch.float32),
     ]
     # fp32 runs tl.dot in TF32 on the GPU; bf16 and fp16 round P and dS before their matmuls.
     TOLERANCE = {torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 3e-2}

@@ -94,7 +94,7 @@ def test_command_profiles_only_the_started_ranges_into_the_report(tmp_path):
     ("argv", "message"),
     [
         (["--shapes", "1x16x16384"], "is not BxHxNxD"),
-        (["--shapes", "1x16x16384x96"], "d_head must be one of"),
+        (["--shapes", "1x16x16384x320"], "head dim 320 is not supported"),
         (["--shapes", "0x16x16384x64"], "is not BxHxNxD"),
         ([], "give exactly one of --shapes"),
         (["--shapes", "1x2x128x16", "--workload", "1x2x128x16"], "give exactly one of --shapes"),

@@ -110,11 +110,12 @@ def test_cli_compiled_rmsnorm_keeps_one_full_size_tensor(tmp_path):
 
 def test_cli_skips_flash_at_an_unsupported_head_dim(tmp_path):
     out = tmp_path / "residuals.csv"
-    cli.main(["--size", "tiny", "--batch-size", "2", "--context-length", "8", "--heads", "8", "--modules", "block",
+    # small: d_model 768, so one head is 768 wide, past the kernels' 256
+    cli.main(["--size", "small", "--batch-size", "2", "--context-length", "8", "--heads", "1", "--modules", "block",
               "--modes", "eager", "--attention", "flash", "--device", "cpu", "--out", str(out)])
     rows = pd.read_csv(out)
     measured = rows[rows["source"] == "measured"]
-    assert list(measured["status"]) == ["skipped"] and "head dim 8" in measured["reason"].iloc[0]
+    assert list(measured["status"]) == ["skipped"] and "head dim 768 is not supported" in measured["reason"].iloc[0]
     assert (rows.loc[rows["source"] == "analytic", "status"] == "ok").all()  # the count needs no kernel
 
 

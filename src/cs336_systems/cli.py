@@ -56,6 +56,19 @@ nonnegative_int = _number(int, 0, True, ">= 0")
 positive_float = _number(float, 0.0, False, "> 0")
 
 
+def head_dim(text: str) -> int:
+    """A head dim our Triton FlashAttention takes (imports triton: only where a head dim is asked for)."""
+    from cs336_systems.flash_triton import unsupported_head_dim
+
+    try:
+        d = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if (problem := unsupported_head_dim(d)) is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return d
+
+
 def device(name: str) -> str:
     """`--device`: checked at parse time (an unknown device, or CUDA without a GPU, is an error), kept as given."""
     try:

@@ -64,12 +64,8 @@ def _validate(Q: object, K: object, V: object, is_causal: object, *, for_triton:
         raise ValueError(f"Q, K, V must be on one device: Q {Q.device}, K {K.device}, V {V.device}")
     if not for_triton:
         return
-    d = Q.shape[-1]
-    if d not in flash_triton.SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"head dim d = {d} (Q {tuple(Q.shape)}) is not supported by the Triton kernels; "
-            f"use one of {flash_triton.SUPPORTED_HEAD_DIMS}"
-        )
+    if (problem := flash_triton.unsupported_head_dim(Q.shape[-1])) is not None:
+        raise ValueError(f"{problem}: Q {tuple(Q.shape)}")
     if Q.dtype not in TRITON_DTYPES:
         raise TypeError(
             f"Q, K, V dtype {Q.dtype} is not supported by the Triton kernels; use one of {TRITON_DTYPES}"

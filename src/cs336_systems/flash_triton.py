@@ -10,6 +10,8 @@ Tensors reach these kernels as contiguous (batch, seq, d), so every row stride i
   tiles wholly above the diagonal are never visited.
 - EVEN_Q / EVEN_K say that a sequence length is a multiple of every tile size in use, which lets the compiler
   drop the bounds masks on loads and scores in the common case.
+- Any head dim d up to MAX_HEAD_DIM: tiles are D_PAD = the next power of two (at least 16, `tl.dot`'s least) wide,
+  and the columns past d load as zeros and are never stored; at a power-of-two d (D == D_PAD) no mask is built.
 - Accumulators (m, l, O, dQ, dK, dV) are float32; P and dS are cast to the input dtype before their matmuls.
   For float32 inputs `tl.dot` uses TF32 on the GPU (Triton's default), so fp32 results agree with an fp32
   reference to ~1e-3, not 1e-6 (the CPU interpreter computes exact fp32 dots).
@@ -33,7 +35,19 @@ if INTERPRET:
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+MAX_HEAD_DIM = 256
+
+
+def unsupported_head_dim(d: int) -> str | None:
+    """Why the kernels cannot take head dim d, or None."""
+    if 1 <= d <= MAX_HEAD_DIM:
+        return None
+    return f"head dim {d} is not supported by the Triton kernels (they take 1 to {MAX_HEAD_DIM})"
+
+
+def padded_head_dim(d: int) -> int:
+    """The tile width for head dim d: the next power of two, at least 16."""
+    return max(16, triton.next_power_of_2(d))
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -44,6 +58,16 @@ def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     ]
 
 
+def _by_head_dim(narrow: list[triton.Config], wide: list[triton.Config]) -> dict:
+    """`triton.autotune` arguments that tune over `narrow` up to 128-wide tiles and over `wide` (smaller tiles, to fit
+    shared memory and registers) for 256-wide ones."""
+
+    def prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+        return wide if kwargs["D_PAD"] > 128 and wide else narrow  # interpreting, the one config serves all
+
+    return {"configs": narrow + wide, "prune_configs_by": {"early_config_prune": prune}}
+
+
 # Each kernel's causal split needs the smaller tile to divide the larger one (all sizes are powers of 2), and the
 # tile it walks to be no larger than the tile it holds: K_TILE <= Q_TILE for the forward and dQ (key tiles inside
 # a query tile), Q_TILE <= K_TILE for dK/dV (an H100 run showed the other way reading out of bounds).
@@ -52,6 +76,7 @@ if INTERPRET:
     _FWD = _configs([(32, 16, 4, 1)])
     _DKDV = _configs([(16, 32, 4, 1)])
     _DQ = _configs([(32, 16, 4, 1)])
+    _FWD_WIDE = _DKDV_WIDE = _DQ_WIDE = []
 else:
     # A small Hopper-oriented search, checked offline for sm_90 (shared memory fits, no register spills for bf16
     # d = 64 and 128 in most configs); (64, 64, 4, 2) and (32, 64, 4, 2) also fit fp32 inputs with d = 128.
@@ -67,6 +92,10 @@ else:
     _DQ = _configs(
         [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)]
     )
+    # Head dims 129-256 (256-wide tiles): two stages of small tiles, so that float32 inputs fit shared memory too.
+    _FWD_WIDE = _configs([(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2)])
+    _DKDV_WIDE = _configs([(32, 32, 4, 2), (16, 32, 4, 2), (32, 64, 8, 2)])
+    _DQ_WIDE = _configs([(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2)])
 
 # Every tile size in use divides this, so "length % TILE_MULTIPLE == 0" means "no ragged tile".
 TILE_MULTIPLE = max(max(c.kwargs["Q_TILE_SIZE"], c.kwargs["K_TILE_SIZE"]) for c in _FWD + _DKDV + _DQ)
@@ -82,17 +111,44 @@ _KEY = ["TUNE_BUCKET", "D", "IS_CAUSAL"]
 # Shared by the forward and the dQ pass, which both walk the key tiles of one query tile (inlined by Triton).
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, cols, N_KEYS, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+def _load_tile(ptrs, rows, n_rows, D: tl.constexpr, D_PAD: tl.constexpr, ROW_MASK: tl.constexpr):
+    """A (rows x D_PAD) tile: rows at or past n_rows (where ROW_MASK) and the padding columns past D load as zeros,
+    which add nothing to any dot product over d."""
+    if ROW_MASK:
+        if D == D_PAD:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (tl.arange(0, D_PAD)[None, :] < D), other=0.0)
+    elif D == D_PAD:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=tl.arange(0, D_PAD)[None, :] < D, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(ptrs, tile, rows, n_rows, D: tl.constexpr, D_PAD: tl.constexpr, ROW_MASK: tl.constexpr):
+    """Store a (rows x D_PAD) tile but its rows at or past n_rows (where ROW_MASK) and its padding columns."""
+    if ROW_MASK:
+        if D == D_PAD:
+            tl.store(ptrs, tile, mask=rows[:, None] < n_rows)
+        else:
+            tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (tl.arange(0, D_PAD)[None, :] < D))
+    elif D == D_PAD:
+        tl.store(ptrs, tile)
+    else:
+        tl.store(ptrs, tile, mask=tl.arange(0, D_PAD)[None, :] < D)
+
+
+@triton.jit
+def _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, cols, N_KEYS, D: tl.constexpr, D_PAD: tl.constexpr,
+                     CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr):
     """K and V of the key tile `cols`, and the raw scores Q K^T, -inf where the causal mask or N_KEYS hides a key.
 
     Padded keys need their -inf even though they load as zeros: a score of 0 would join the forward's softmax,
     and in the dQ pass exp2(0 - L) can overflow when all of a row's real scores are very negative."""
-    if BOUNDS_MASK:
-        k = tl.load(k_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
-        v = tl.load(v_ptrs, mask=cols[:, None] < N_KEYS, other=0.0)
-    else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+    k = _load_tile(k_ptrs, cols, N_KEYS, D, D_PAD, BOUNDS_MASK)
+    v = _load_tile(v_ptrs, cols, N_KEYS, D, D_PAD, BOUNDS_MASK)
     s = tl.dot(q, tl.trans(k))
     if CAUSAL_MASK:
         s = tl.where(offs_q[:, None] >= cols[None, :], s, float("-inf"))
@@ -105,14 +161,16 @@ def _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, cols, N_KEYS, CAUSAL_MASK: tl.co
 # Forward
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_scale,
-                   D: tl.constexpr, K_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+def _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_scale, D: tl.constexpr,
+                   D_PAD: tl.constexpr, K_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                   BOUNDS_MASK: tl.constexpr):
     """Online-softmax update of one query tile over the key tiles in [lo, hi)."""
     offs_k = tl.arange(0, K_TILE_SIZE)
     k_ptrs += lo * D
     v_ptrs += lo * D
     for start_k in range(lo, hi, K_TILE_SIZE):
-        k, v, s = _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, start_k + offs_k, N_KEYS, CAUSAL_MASK, BOUNDS_MASK)
+        k, v, s = _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, start_k + offs_k, N_KEYS, D, D_PAD, CAUSAL_MASK,
+                                   BOUNDS_MASK)
         # Each row's first visited tile holds key 0 <= its index, so m_new is finite: no exp2(-inf + inf).
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
         p = tl.exp2(s * qk_scale - m_new[:, None])
@@ -125,10 +183,10 @@ def _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_FWD, key=_KEY)
+@triton.autotune(**_by_head_dim(_FWD, _FWD_WIDE), key=_KEY)
 @triton.jit
 def flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, N_QUERIES, N_KEYS, scale, TUNE_BUCKET,
-                     D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
+                     D: tl.constexpr, D_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
                      Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     query_tile_index = tl.program_id(0)
     if IS_CAUSAL:
@@ -138,40 +196,35 @@ def flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, N_QUERIES, N_KEYS, scale
     q_start = query_tile_index * Q_TILE_SIZE
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     offs_k = tl.arange(0, K_TILE_SIZE)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_PAD)
     q_rows = batch_index * N_QUERIES + offs_q
     k_ptrs = K_ptr + (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
     v_ptrs = V_ptr + (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
-    if EVEN_Q:
-        q = tl.load(Q_ptr + q_rows[:, None] * D + offs_d[None, :])
-    else:
-        q = tl.load(Q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=offs_q[:, None] < N_QUERIES, other=0.0)
+    q = _load_tile(Q_ptr + q_rows[:, None] * D + offs_d[None, :], offs_q, N_QUERIES, D, D_PAD, not EVEN_Q)
 
     scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64, which would promote the tiles
     qk_scale = scale * LOG2E  # softmax in base 2
     m_i = tl.full([Q_TILE_SIZE], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([Q_TILE_SIZE], dtype=tl.float32)
-    acc = tl.zeros([Q_TILE_SIZE, D], dtype=tl.float32)
+    acc = tl.zeros([Q_TILE_SIZE, D_PAD], dtype=tl.float32)
     if IS_CAUSAL:
         # Keys before the tile's first query are visible to all its rows; then the diagonal tiles, masked.
         off_diag_end = tl.minimum(q_start, N_KEYS)
         acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, 0, off_diag_end, N_KEYS,
-                                       qk_scale, D, K_TILE_SIZE, False, not EVEN_K)
+                                       qk_scale, D, D_PAD, K_TILE_SIZE, False, not EVEN_K)
         diag_end = tl.minimum(q_start + Q_TILE_SIZE, N_KEYS)
         acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, q_start, diag_end, N_KEYS,
-                                       qk_scale, D, K_TILE_SIZE, True, not EVEN_K)
+                                       qk_scale, D, D_PAD, K_TILE_SIZE, True, not EVEN_K)
     else:
         acc, l_i, m_i = _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, 0, N_KEYS, N_KEYS,
-                                       qk_scale, D, K_TILE_SIZE, False, not EVEN_K)
+                                       qk_scale, D, D_PAD, K_TILE_SIZE, False, not EVEN_K)
 
     o = (acc / l_i[:, None]).to(O_ptr.dtype.element_ty)
     lse = (m_i + tl.log2(l_i)) * LN2  # back to natural-log units
-    o_ptrs = O_ptr + q_rows[:, None] * D + offs_d[None, :]
+    _store_tile(O_ptr + q_rows[:, None] * D + offs_d[None, :], o, offs_q, N_QUERIES, D, D_PAD, not EVEN_Q)
     if EVEN_Q:
-        tl.store(o_ptrs, o)
         tl.store(L_ptr + q_rows, lse)
     else:
-        tl.store(o_ptrs, o, mask=offs_q[:, None] < N_QUERIES)
         tl.store(L_ptr + q_rows, lse, mask=offs_q < N_QUERIES)
 
 
@@ -180,37 +233,36 @@ def flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, N_QUERIES, N_KEYS, scale
 # Padded query rows load L = +inf, so their P is exactly 0 and they add nothing to dK and dV.
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
-def flash_bwd_preprocess_kernel(O_ptr, dO_ptr, Delta_ptr, N_ROWS, D: tl.constexpr, ROWS: tl.constexpr):
+def flash_bwd_preprocess_kernel(O_ptr, dO_ptr, Delta_ptr, N_ROWS, D: tl.constexpr, D_PAD: tl.constexpr,
+                                ROWS: tl.constexpr):
     """Delta = rowsum(O * dO) in float32 over all (batch * N_q) rows."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None] * D + tl.arange(0, D)[None, :]
-    in_bounds = rows[:, None] < N_ROWS
-    o = tl.load(O_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
-    do = tl.load(dO_ptr + offs, mask=in_bounds, other=0.0).to(tl.float32)
+    offs = rows[:, None] * D + tl.arange(0, D_PAD)[None, :]
+    o = _load_tile(O_ptr + offs, rows, N_ROWS, D, D_PAD, True).to(tl.float32)
+    do = _load_tile(dO_ptr + offs, rows, N_ROWS, D, D_PAD, True).to(tl.float32)
     tl.store(Delta_ptr + rows, tl.sum(o * do, 1), mask=rows < N_ROWS)
 
 
 @triton.jit
 def _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, offs_k, lo, hi, N_QUERIES, qk_scale,
-                      D: tl.constexpr, Q_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, EVEN_Q: tl.constexpr):
+                      D: tl.constexpr, D_PAD: tl.constexpr, Q_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                      EVEN_Q: tl.constexpr):
     """Accumulate dK, dV of one key tile over the query tiles in [lo, hi), in transposed (key x query) form."""
     arange_q = tl.arange(0, Q_TILE_SIZE)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_PAD)
     q_ptrs = Q_ptr + (q_row0 + lo + arange_q)[:, None] * D + offs_d[None, :]
     do_ptrs = dO_ptr + (q_row0 + lo + arange_q)[:, None] * D + offs_d[None, :]
     l_ptrs = L_ptr + q_row0 + lo + arange_q
     delta_ptrs = Delta_ptr + q_row0 + lo + arange_q
     for start_q in range(lo, hi, Q_TILE_SIZE):
         offs_q = start_q + arange_q
+        q = _load_tile(q_ptrs, offs_q, N_QUERIES, D, D_PAD, not EVEN_Q)
+        do = _load_tile(do_ptrs, offs_q, N_QUERIES, D, D_PAD, not EVEN_Q)
         if EVEN_Q:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
             lse2 = tl.load(l_ptrs) * LOG2E
             delta = tl.load(delta_ptrs)
         else:
             in_bounds = offs_q < N_QUERIES
-            q = tl.load(q_ptrs, mask=in_bounds[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=in_bounds[:, None], other=0.0)
             lse2 = tl.load(l_ptrs, mask=in_bounds, other=float("inf")) * LOG2E
             delta = tl.load(delta_ptrs, mask=in_bounds, other=0.0)
         s_t = tl.dot(k, tl.trans(q))
@@ -228,57 +280,51 @@ def _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, off
     return dk, dv
 
 
-@triton.autotune(configs=_DKDV, key=_KEY)
+@triton.autotune(**_by_head_dim(_DKDV, _DKDV_WIDE), key=_KEY)
 @triton.jit
 def flash_bwd_dkdv_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, N_QUERIES, N_KEYS, scale, TUNE_BUCKET,
-                          D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
+                          D: tl.constexpr, D_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
                           Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     batch_index = tl.program_id(1).to(tl.int64)
     k_start = tl.program_id(0) * K_TILE_SIZE
     offs_k = k_start + tl.arange(0, K_TILE_SIZE)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_PAD)
     kv_offs = (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
     # Key rows past N_KEYS load as zeros; their dK, dV rows are garbage but never stored.
-    if EVEN_K:
-        k = tl.load(K_ptr + kv_offs)
-        v = tl.load(V_ptr + kv_offs)
-    else:
-        k = tl.load(K_ptr + kv_offs, mask=offs_k[:, None] < N_KEYS, other=0.0)
-        v = tl.load(V_ptr + kv_offs, mask=offs_k[:, None] < N_KEYS, other=0.0)
+    k = _load_tile(K_ptr + kv_offs, offs_k, N_KEYS, D, D_PAD, not EVEN_K)
+    v = _load_tile(V_ptr + kv_offs, offs_k, N_KEYS, D, D_PAD, not EVEN_K)
 
     q_row0 = batch_index * N_QUERIES
     scale = tl.cast(scale, tl.float32)  # fp64 under torch.compile
     qk_scale = scale * LOG2E
-    dk = tl.zeros([K_TILE_SIZE, D], dtype=tl.float32)
-    dv = tl.zeros([K_TILE_SIZE, D], dtype=tl.float32)
+    dk = tl.zeros([K_TILE_SIZE, D_PAD], dtype=tl.float32)
+    dv = tl.zeros([K_TILE_SIZE, D_PAD], dtype=tl.float32)
     if IS_CAUSAL:
         # Queries before the key tile never see it; the diagonal query tiles are masked, later ones are not.
         diag_end = tl.minimum(k_start + K_TILE_SIZE, N_QUERIES)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, offs_k, k_start, diag_end,
-                                   N_QUERIES, qk_scale, D, Q_TILE_SIZE, True, EVEN_Q)
+                                   N_QUERIES, qk_scale, D, D_PAD, Q_TILE_SIZE, True, EVEN_Q)
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, offs_k,
-                                   k_start + K_TILE_SIZE, N_QUERIES, N_QUERIES, qk_scale, D, Q_TILE_SIZE, False, EVEN_Q)
+                                   k_start + K_TILE_SIZE, N_QUERIES, N_QUERIES, qk_scale, D, D_PAD, Q_TILE_SIZE, False,
+                                   EVEN_Q)
     else:
         dk, dv = _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, offs_k, 0, N_QUERIES,
-                                   N_QUERIES, qk_scale, D, Q_TILE_SIZE, False, EVEN_Q)
+                                   N_QUERIES, qk_scale, D, D_PAD, Q_TILE_SIZE, False, EVEN_Q)
     dk *= scale
-    if EVEN_K:
-        tl.store(dK_ptr + kv_offs, dk.to(dK_ptr.dtype.element_ty))
-        tl.store(dV_ptr + kv_offs, dv.to(dV_ptr.dtype.element_ty))
-    else:
-        tl.store(dK_ptr + kv_offs, dk.to(dK_ptr.dtype.element_ty), mask=offs_k[:, None] < N_KEYS)
-        tl.store(dV_ptr + kv_offs, dv.to(dV_ptr.dtype.element_ty), mask=offs_k[:, None] < N_KEYS)
+    _store_tile(dK_ptr + kv_offs, dk.to(dK_ptr.dtype.element_ty), offs_k, N_KEYS, D, D_PAD, not EVEN_K)
+    _store_tile(dV_ptr + kv_offs, dv.to(dV_ptr.dtype.element_ty), offs_k, N_KEYS, D, D_PAD, not EVEN_K)
 
 
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_scale,
-                  D: tl.constexpr, K_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+                  D: tl.constexpr, D_PAD: tl.constexpr, K_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr):
     """Accumulate dQ of one query tile over the key tiles in [lo, hi)."""
     offs_k = tl.arange(0, K_TILE_SIZE)
     k_ptrs += lo * D
     v_ptrs += lo * D
     for start_k in range(lo, hi, K_TILE_SIZE):
-        k, v, s = _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, start_k + offs_k, N_KEYS, CAUSAL_MASK, BOUNDS_MASK)
+        k, v, s = _key_tile_scores(q, k_ptrs, v_ptrs, offs_q, start_k + offs_k, N_KEYS, D, D_PAD, CAUSAL_MASK,
+                                   BOUNDS_MASK)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
@@ -288,10 +334,10 @@ def _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS
     return dq
 
 
-@triton.autotune(configs=_DQ, key=_KEY)
+@triton.autotune(**_by_head_dim(_DQ, _DQ_WIDE), key=_KEY)
 @triton.jit
 def flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, N_QUERIES, N_KEYS, scale, TUNE_BUCKET,
-                        D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
+                        D: tl.constexpr, D_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
                         Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     query_tile_index = tl.program_id(0)
     if IS_CAUSAL:
@@ -300,18 +346,16 @@ def flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, N
     q_start = query_tile_index * Q_TILE_SIZE
     offs_q = q_start + tl.arange(0, Q_TILE_SIZE)
     offs_k = tl.arange(0, K_TILE_SIZE)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, D_PAD)
     q_rows = batch_index * N_QUERIES + offs_q
     q_offs = q_rows[:, None] * D + offs_d[None, :]
+    q = _load_tile(Q_ptr + q_offs, offs_q, N_QUERIES, D, D_PAD, not EVEN_Q)
+    do = _load_tile(dO_ptr + q_offs, offs_q, N_QUERIES, D, D_PAD, not EVEN_Q)
     if EVEN_Q:
-        q = tl.load(Q_ptr + q_offs)
-        do = tl.load(dO_ptr + q_offs)
         lse2 = tl.load(L_ptr + q_rows) * LOG2E
         delta = tl.load(Delta_ptr + q_rows)
     else:
         in_bounds = offs_q < N_QUERIES
-        q = tl.load(Q_ptr + q_offs, mask=in_bounds[:, None], other=0.0)
-        do = tl.load(dO_ptr + q_offs, mask=in_bounds[:, None], other=0.0)
         lse2 = tl.load(L_ptr + q_rows, mask=in_bounds, other=float("inf")) * LOG2E
         delta = tl.load(Delta_ptr + q_rows, mask=in_bounds, other=0.0)
 
@@ -319,22 +363,19 @@ def flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, N
     v_ptrs = V_ptr + (batch_index * N_KEYS + offs_k)[:, None] * D + offs_d[None, :]
     scale = tl.cast(scale, tl.float32)  # fp64 under torch.compile
     qk_scale = scale * LOG2E
-    dq = tl.zeros([Q_TILE_SIZE, D], dtype=tl.float32)
+    dq = tl.zeros([Q_TILE_SIZE, D_PAD], dtype=tl.float32)
     if IS_CAUSAL:
         off_diag_end = tl.minimum(q_start, N_KEYS)
         dq = _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, 0, off_diag_end, N_KEYS, qk_scale,
-                           D, K_TILE_SIZE, False, not EVEN_K)
+                           D, D_PAD, K_TILE_SIZE, False, not EVEN_K)
         diag_end = tl.minimum(q_start + Q_TILE_SIZE, N_KEYS)
         dq = _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, q_start, diag_end, N_KEYS, qk_scale,
-                           D, K_TILE_SIZE, True, not EVEN_K)
+                           D, D_PAD, K_TILE_SIZE, True, not EVEN_K)
     else:
         dq = _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, 0, N_KEYS, N_KEYS, qk_scale,
-                           D, K_TILE_SIZE, False, not EVEN_K)
+                           D, D_PAD, K_TILE_SIZE, False, not EVEN_K)
     dq = (dq * scale).to(dQ_ptr.dtype.element_ty)
-    if EVEN_Q:
-        tl.store(dQ_ptr + q_offs, dq)
-    else:
-        tl.store(dQ_ptr + q_offs, dq, mask=offs_q[:, None] < N_QUERIES)
+    _store_tile(dQ_ptr + q_offs, dq, offs_q, N_QUERIES, D, D_PAD, not EVEN_Q)
 # fmt: on
 
 
@@ -354,6 +395,7 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> dict:
         "scale": 1.0 / math.sqrt(d),
         "TUNE_BUCKET": _tune_bucket(max(n_queries, n_keys)),
         "D": d,
+        "D_PAD": padded_head_dim(d),
         "IS_CAUSAL": is_causal,
         "EVEN_Q": n_queries % TILE_MULTIPLE == 0,
         "EVEN_K": n_keys % TILE_MULTIPLE == 0,
@@ -387,7 +429,7 @@ def flash_backward(
     delta = torch.empty_like(lse)
     n_rows = batch * n_queries
     flash_bwd_preprocess_kernel[(triton.cdiv(n_rows, _PREPROCESS_ROWS),)](
-        o, do, delta, n_rows, D=d, ROWS=_PREPROCESS_ROWS
+        o, do, delta, n_rows, D=d, D_PAD=padded_head_dim(d), ROWS=_PREPROCESS_ROWS
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     shape_args = _shape_args(q, k, is_causal)

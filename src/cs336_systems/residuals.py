@@ -263,9 +263,8 @@ def flash_unavailable(cfg: ModelConfig, device: torch.device) -> str | None:
     """Why our Triton FlashAttention cannot run this configuration here, or None."""
     from cs336_systems import flash_triton  # imports triton: only where flash is asked for
 
-    d_head = cfg.d_model // cfg.num_heads
-    if d_head not in flash_triton.SUPPORTED_HEAD_DIMS:
-        return f"head dim {d_head} is not supported by the Triton kernels (one of {flash_triton.SUPPORTED_HEAD_DIMS})"
+    if (problem := flash_triton.unsupported_head_dim(cfg.d_model // cfg.num_heads)) is not None:
+        return problem
     if device.type != "cuda" and not flash_triton.INTERPRET:
         return "the Triton kernels need CUDA, or TRITON_INTERPRET=1 set before triton is imported"
     return None

@@ -26,7 +26,6 @@ import torch._functorch.config
 from cs336_systems import cli
 from cs336_systems import flash_benchmarking as bench
 from cs336_systems.benchmarking import free_memory
-from cs336_systems.flash_triton import SUPPORTED_HEAD_DIMS
 from cs336_systems.provenance import write_rows
 
 IMPLS = ("triton", "pytorch_naive", "flex", "sdpa", "sdpa_flash", "sdpa_cudnn")
@@ -38,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--seq-lens", type=cli.positive_int, nargs="+", required=True, help="e.g. 128 256 ... 65536"
     )
-    p.add_argument("--d-heads", type=int, nargs="+", required=True, choices=SUPPORTED_HEAD_DIMS)
+    p.add_argument("--d-heads", type=cli.head_dim, nargs="+", required=True)
     p.add_argument("--dtypes", nargs="+", required=True, choices=sorted(DTYPES))
     p.add_argument("--heads", type=cli.positive_int, default=1)
     p.add_argument(

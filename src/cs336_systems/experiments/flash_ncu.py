@@ -25,7 +25,7 @@ import torch
 
 from cs336_systems import cli, ncu
 from cs336_systems import flash_benchmarking as bench
-from cs336_systems.flash_triton import SUPPORTED_HEAD_DIMS
+from cs336_systems.flash_triton import unsupported_head_dim
 from cs336_systems.provenance import write_rows
 
 UNITS = [
@@ -44,8 +44,8 @@ def shape(text: str) -> tuple[int, int, int, int]:
             f"{text!r} is not BxHxNxD (batch x heads x seq x d_head), e.g. 1x16x16384x64"
         )
     b, h, n, d = map(int, parts)
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise argparse.ArgumentTypeError(f"{text!r}: d_head must be one of {SUPPORTED_HEAD_DIMS}, got {d}")
+    if (problem := unsupported_head_dim(d)) is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
     return b, h, n, d
 
 

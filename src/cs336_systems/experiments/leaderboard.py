@@ -21,7 +21,6 @@ import torch
 from cs336_systems import cli
 from cs336_systems import flash_benchmarking as bench
 from cs336_systems.benchmarking import free_memory
-from cs336_systems.flash_triton import SUPPORTED_HEAD_DIMS
 from cs336_systems.provenance import write_rows
 
 # (impl, pass) rows in the order they run.
@@ -39,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__, seed=False)
     p.add_argument("--heads", type=cli.positive_int, default=16)
     p.add_argument("--seq-len", type=cli.positive_int, default=16384)
-    p.add_argument("--d-head", type=int, default=64, choices=SUPPORTED_HEAD_DIMS)
+    p.add_argument("--d-head", type=cli.head_dim, default=64)
     bench.add_do_bench_args(p, warmup_ms=1000, rep_ms=10000, note=" (spec: 1000 and 10000)")
     return p.parse_args(argv)
 
