@@ -186,8 +186,8 @@ def _fwd_key_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_
 @triton.autotune(**_by_head_dim(_FWD, _FWD_WIDE), key=_KEY)
 @triton.jit
 def flash_fwd_kernel(Q_ptr, K_ptr, V_ptr, O_ptr, L_ptr, N_QUERIES, N_KEYS, scale, TUNE_BUCKET,
-                     D: tl.constexpr, D_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
-                     Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
+                     D: tl.constexpr, D_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr,
+                     EVEN_K: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     query_tile_index = tl.program_id(0)
     if IS_CAUSAL:
         # Later query tiles have the most key tiles; launching them first shortens the tail of the grid.
@@ -283,8 +283,8 @@ def _dkdv_query_tiles(dk, dv, k, v, Q_ptr, dO_ptr, L_ptr, Delta_ptr, q_row0, off
 @triton.autotune(**_by_head_dim(_DKDV, _DKDV_WIDE), key=_KEY)
 @triton.jit
 def flash_bwd_dkdv_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr, dV_ptr, N_QUERIES, N_KEYS, scale, TUNE_BUCKET,
-                          D: tl.constexpr, D_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
-                          Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
+                          D: tl.constexpr, D_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr,
+                          EVEN_K: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     batch_index = tl.program_id(1).to(tl.int64)
     k_start = tl.program_id(0) * K_TILE_SIZE
     offs_k = k_start + tl.arange(0, K_TILE_SIZE)
@@ -317,7 +317,8 @@ def flash_bwd_dkdv_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dK_ptr,
 
 @triton.jit
 def _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS, qk_scale,
-                  D: tl.constexpr, D_PAD: tl.constexpr, K_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS_MASK: tl.constexpr):
+                  D: tl.constexpr, D_PAD: tl.constexpr, K_TILE_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                  BOUNDS_MASK: tl.constexpr):
     """Accumulate dQ of one query tile over the key tiles in [lo, hi)."""
     offs_k = tl.arange(0, K_TILE_SIZE)
     k_ptrs += lo * D
@@ -337,8 +338,8 @@ def _dq_key_tiles(dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_q, lo, hi, N_KEYS
 @triton.autotune(**_by_head_dim(_DQ, _DQ_WIDE), key=_KEY)
 @triton.jit
 def flash_bwd_dq_kernel(Q_ptr, K_ptr, V_ptr, dO_ptr, L_ptr, Delta_ptr, dQ_ptr, N_QUERIES, N_KEYS, scale, TUNE_BUCKET,
-                        D: tl.constexpr, D_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr, EVEN_K: tl.constexpr,
-                        Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
+                        D: tl.constexpr, D_PAD: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_Q: tl.constexpr,
+                        EVEN_K: tl.constexpr, Q_TILE_SIZE: tl.constexpr, K_TILE_SIZE: tl.constexpr):
     query_tile_index = tl.program_id(0)
     if IS_CAUSAL:
         query_tile_index = tl.num_programs(0) - 1 - query_tile_index  # heaviest tiles first
