@@ -168,12 +168,11 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
     if ours:
         stats = [record.stats() for record in records[-args.steps :]]
         waits = {f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3 for key in ("gather_wait", "sync_wait")}
+    largest = {"peak_mib": peak, **clock, **waits}
     if dist.is_initialized():  # the largest rank's
-        peak, *largest = (max(values) for values in
-                          zip(*gather_to_all([peak, *waits.values(), *clock.values()]), strict=True))
-        waits = dict(zip(waits, largest[: len(waits)], strict=True))
-        clock = dict(zip(clock, largest[len(waits) :], strict=True))
-    return {"step_ms": step_ms, "peak_mib": peak, **clock, **waits, **alone,
+        by_rank = gather_to_all(list(largest.values()))
+        largest = dict(zip(largest, map(max, zip(*by_rank, strict=True)), strict=True))
+    return {"step_ms": step_ms, **largest, **alone,
             "components": component_times(train, device) if args.components else {}}
 
 

@@ -297,7 +297,8 @@ def memory_text(cells: pd.DataFrame, stacks: list[str]) -> str | None:
     at = cells[(cells["num_layers"] == deepest) & cells["weights_mib"].notna()].set_index("stack")
     shown = [s for s in stacks if s in at.index]
     gib = lambda s, column: at.loc[s, column] / 1024
-    rest = {s: gib(s, "peak_mib") - sum(gib(s, c) for c in STATE) for s in shown}
+    state = lambda s: sum(gib(s, c) for c in STATE)
+    rest = {s: gib(s, "peak_mib") - state(s) for s in shown}
     table = pd.DataFrame({
         "stack": [LABEL.get(s, s) for s in shown],
         **{f"{name} (GiB)": [f"{gib(s, c):,.1f}" for s in shown] for c, name in STATE.items()},
@@ -308,7 +309,6 @@ def memory_text(cells: pd.DataFrame, stacks: list[str]) -> str | None:
             "the optimizer's state, summed over their tensors after the timing; activations and temporaries = peak − "
             f"those.\n\n{text_md(table)}")
     if {"ours", "native"} <= set(rest):
-        state = lambda s: sum(gib(s, c) for c in STATE)
         text += (f"\n\nOurs against the PyTorch-native stack at {deepest} layers: activations and temporaries "
                  f"{signed(rest['ours'] - rest['native'])} GiB, weights, gradients and AdamW state "
                  f"{signed(state('ours') - state('native'))} GiB.")
