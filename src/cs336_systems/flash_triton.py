@@ -53,8 +53,9 @@ def padded_head_dim(d: int) -> int:
 def _configs(tiles: list[tuple[int, ...]]) -> list[triton.Config]:
     """(Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages[, maxnreg]) tuples as autotune configs."""
     return [
-        triton.Config({"Q_TILE_SIZE": bq, "K_TILE_SIZE": bk}, num_warps=warps, num_stages=stages, maxnreg=reg)
-        for bq, bk, warps, stages, reg in (tile + (None,) * (5 - len(tile)) for tile in tiles)
+        triton.Config({"Q_TILE_SIZE": bq, "K_TILE_SIZE": bk}, num_warps=warps, num_stages=stages,
+                      maxnreg=cap[0] if cap else None)
+        for bq, bk, warps, stages, *cap in tiles
     ]
 
 
