@@ -124,9 +124,7 @@ COLD = TRAIN_STEP.get("cold")
 COLD_CSV = f"{RESULTS}/train_step_cold/{{stack}}.csv"
 if COLD:
 
-    rule train_step_cold:
-        input:
-            TRAIN_STEP_CODE,
+    use rule train_step as train_step_cold with:
         output:
             csv=report(COLD_CSV, caption="report/train_step.rst", category="Results",
                        subcategory="9 The leaderboard's training step"),
@@ -137,21 +135,11 @@ if COLD:
             dims=TRAIN_STEP_DIMS,
             num_layers=COLD["num_layers"],
             dtype=TRAIN_STEP["dtype"],
-            options=train_step_options(COLD),
+            options=train_step_options(COLD) + " --cold-cache",
             device=R["device"],
             gpus_ok=lambda w: gpus_ok(GPU_JOB, COLD_CSV.format(**w)),
-        threads: NEEDS["heavy"].threads
-        resources:
-            **job("heavy", gpu=GPU_JOB),
         log:
             f"{RESULTS}/logs/train_step/cold_{{stack}}.log",
-        conda:
-            ENV
-        shell:
-            "pin_gpus {resources.gpu}; "
-            "python -m cs336_systems.experiments.train_step_benchmark {params.dims} --num-layers {params.num_layers} "
-            "--stacks {wildcards.stack} --dtype {params.dtype} {params.options} --cold-cache --device {params.device} "
-            "--out {output.csv} 2> {log}"
 
     WRITEUP_INPUTS += expand(COLD_CSV, stack=COLD["stacks"])
 
