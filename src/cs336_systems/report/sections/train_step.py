@@ -139,9 +139,10 @@ def cold_text(ctx: Context, fits: pd.DataFrame, fit_commits: set[str] = frozense
     if predicted:
         verdict += (" The per-layer fit above, against this measurement at a depth it did not see: "
                     + "; ".join(predicted) + ".")
-        if fit_commits and fit_commits != commits(metas):
+        cold_commits = commits(metas)
+        if fit_commits and fit_commits != cold_commits:
             verdict += (f" (The fit comes from the run at {', '.join(sorted(fit_commits))}, this measurement from "
-                        f"the run at {', '.join(sorted(commits(metas)))}.)")
+                        f"the run at {', '.join(sorted(cold_commits))}.)")
     return "\n".join([
         provenance_line(metas),
         "",
