@@ -426,12 +426,12 @@ def layer_needed(fits: pd.DataFrame) -> str | None:
     layers = int(ours["num_layers"])
     needed = (GOAL_STEP_S * 1e3 - ours["intercept_ms"]) / layers
     fastest = fits["per_layer_ms"].idxmin()
-    over = fits.loc[fastest, "per_layer_ms"] - needed
+    fastest_ms = fits.loc[fastest, "per_layer_ms"]
     return (f"To meet {GOAL_STEP_S} s at {layers} layers, ours's layer would have to take (({GOAL_STEP_S} s − its "
             f"{ours['intercept_ms']:,.1f} ms intercept) / {layers} =) at most {needed:,.1f} ms, "
             f"{ours['per_layer_ms'] - needed:,.1f} ms less than it does. The fastest layer in this run takes "
-            f"{fits.loc[fastest, 'per_layer_ms']:,.1f} ms ({LABEL.get(fastest, fastest)}), "
-            f"{abs(over):,.1f} ms {'above' if over > 0 else 'within'} that bound.")
+            f"{fastest_ms:,.1f} ms ({LABEL.get(fastest, fastest)}), {abs(fastest_ms - needed):,.1f} ms "
+            f"{'above' if fastest_ms > needed else 'within'} that bound.")
 
 
 def sharded_text(ctx: Context) -> str:
