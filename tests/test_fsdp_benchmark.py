@@ -63,7 +63,7 @@ def test_bytes_sent_per_rank_computed_from_the_parameters():
 
 def test_cell_rows_one_per_rank_with_the_slowest_step_and_counted_statistics():
     stats = {"gather_wait_s": 0.002, "sync_wait_s": 0.001, "bytes_all_gathered": 10.0,
-             "bytes_reduce_scattered": 20.0, "bytes_all_reduced": 3.0}  # fmt: skip
+             "bytes_reduce_scattered": 20.0, "bytes_all_reduced": 3.0, "bytes_activations_gathered": 0.0}  # fmt: skip
     per_rank = [
         {"step_s": [0.10, 0.30, 0.20], "peak_mib": 100.0, "counted": [stats, {**stats, "gather_wait_s": 0.004}]},
         {"step_s": [0.20, 0.10, 0.25], "peak_mib": 120.0, "counted": [stats, stats]},
@@ -130,7 +130,8 @@ def test_fsdp_benchmark_rows_for_every_variant_on_gloo(tmp_path: Path):
     rows, meta = read_rows(out)
     assert meta["params"]["world_size"] == 2 and meta["params"]["compute_dtype"] == "bf16"
     assert list(zip(rows["variant"], rows["rank"], strict=True)) == [
-        ("ours", 0), ("ours", 1), ("fsdp2", 0), ("fsdp2", 1), ("ddp", 0), ("ddp", 1), ("single", 0),
+        ("ours", 0), ("ours", 1), ("ours_exact", 0), ("ours_exact", 1), ("fsdp2", 0), ("fsdp2", 1), ("ddp", 0),
+        ("ddp", 1), ("single", 0),
     ]  # fmt: skip
     assert set(rows["status"]) == {"ok"} and (rows["step_ms"] > 0).all() and (rows["steps"] == 2).all()
     assert rows["peak_mib"].isna().all() and set(rows["reason"]) == {"no allocator statistics on CPU"}
@@ -143,6 +144,10 @@ def test_fsdp_benchmark_rows_for_every_variant_on_gloo(tmp_path: Path):
     units, _ = model_units(TINY)
     assert by.loc["ours", "bytes_all_gathered"] > 0 and by.loc["ours", "bytes_reduce_scattered"] > 0
     assert by.loc["ours", "bytes_reduce_scattered"] <= sum(units) * 4
+    # Exact mode gathers the same weights, and activations and output gradients instead of reducing gradients.
+    assert by.loc["ours_exact", "bytes_all_gathered"] == by.loc["ours", "bytes_all_gathered"]
+    assert by.loc["ours_exact", "bytes_reduce_scattered"] == by.loc["ours_exact", "bytes_all_reduced"] == 0
+    assert by.loc["ours_exact", "bytes_activations_gathered"] > 0 == by.loc["ours", "bytes_activations_gathered"]
     intervals, _ = read_rows(timeline)  # no CUDA streams on the CPU: one skipped row per traced variant
     assert list(intervals["variant"]) == ["ours", "fsdp2"] and set(intervals["status"]) == {"skipped"}
     assert not (tmp_path / "traces").exists()
@@ -184,6 +189,8 @@ def fabricated_results(results: Path) -> None:
     two = [row("ours", 2, r, 110.0, 300.0 + r, 2.0, "counted") for r in (0, 1)]
     two += [row("fsdp2", 2, r, 108.0, 280.0, None) for r in (0, 1)]
     two += [row("ddp", 2, r, 105.0, 600.0, 0.0) for r in (0, 1)]
+    exact = {"bytes_reduce_scattered": 0.0, "bytes_activations_gathered": 3 * 2**20}
+    two += [{**row("ours_exact", 2, r, 275.0, 350.0, 2.5, "counted"), **exact} for r in (0, 1)]
     write_rows(one, results / "fsdp/n1.csv", {**params, "world_size": 1})
     write_rows(two, results / "fsdp/n2.csv", {**params, "world_size": 2})
     kernels = [("compute", 0.0, 1.0, 0), ("all_gather", 0.0, 0.3, None), ("all_gather", 0.9, 1.5, 0),
@@ -210,7 +217,10 @@ def test_section_states_goals_accounting_and_timeline_from_the_data(tmp_path: Pa
     assert re.search(r"\| overhead over the unwrapped model < 5 % \| 103.00 ms +\| 105.00 ms +\| pass", text)
     # two ranks: 110 > 108 ms fails; peak 301 > 1.05 * 280 = 294 fails; 2 ms < 5.5 ms passes
     assert "Our FSDP meets 1 of the 3 goals measurable at world size 2." in text
-    assert "a measured saving of 299.00 MiB" in text  # DDP 600 MiB - ours 301 MiB (a tiny model: in MiB)
+    assert "a measured saving of 299.00 MiB" in text
+    # exact mode: 275 / 110 ms; 1 + 3 MiB moved against the usual mode's 1 + 2 MiB
+    assert ("**Exact mode** (bit-equal to one process's training): 275.0 ms per step, 2.50× our usual mode's "
+            "110.0 ms; it moves 4.0 MiB per rank per step against 3.0 MiB (3.0 MiB of them activations") in text  # DDP 600 MiB - ours 301 MiB (a tiny model: in MiB)
     # layer 0's all-gather is hidden; layer 1 waits from the end of layer 0 (1.0 ms) for its all-gather (1.5 ms)
     assert "in 1 of 2 layers less than 0.02 ms" in text and "layer 1, 0.50 ms exposed" in text
     assert (tmp_path / "report/figures/fsdp_timeline_t.png").is_file()

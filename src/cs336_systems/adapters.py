@@ -66,9 +66,11 @@ def ddp_on_after_backward(ddp_model: Any, optimizer: torch.optim.Optimizer) -> N
 
 
 def get_fsdp(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """In fp32 the assignment's test asks for training equal to the bit to one process's: our exact mode. With a
+    compute dtype it asks for closeness: the fast mode."""
     from cs336_systems.fsdp import FullyShardedDataParallel
 
-    return FullyShardedDataParallel(module, compute_dtype=compute_dtype)
+    return FullyShardedDataParallel(module, compute_dtype=compute_dtype, exact=compute_dtype is None)
 
 
 def fsdp_on_after_backward(fsdp_model: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -1,6 +1,9 @@
 """What the FSDP benchmark measures (2026 §7), one variant at a time on the current rank:
 
-- `ours`: our FullyShardedDataParallel (cs336_systems.fsdp) with `compute_dtype` and `prefetch_distance`;
+- `ours`: our FullyShardedDataParallel (cs336_systems.fsdp) with `compute_dtype` and `prefetch_distance`, in its
+  usual mode (gradients reduce-scattered), the mode every other benchmark and the training step use;
+- `ours_exact`: the same in exact mode (training equal to the bit to one process's): every unit's forward and
+  backward over the whole batch, activations and output gradients all-gathered, no reduce-scatter: its cost;
 - `fsdp2`: PyTorch's `fully_shard` on every Transformer block and on the root, MixedPrecisionPolicy with
   param_dtype = the compute dtype and reduce_dtype = fp32, and explicit prefetching at the same distance;
 - `ddp`: our bucketed DDP (cs336_systems.ddp), every rank holding the whole model;
@@ -41,15 +44,16 @@ from cs336_systems.benchmarking import sync, time_steps
 from cs336_systems.cuda_memory import MIB
 from cs336_systems.distributed import DistContext
 from cs336_systems.distributed_benchmarking import NO_ALLOCATOR_STATS, OOM_REASON
-from cs336_systems.fsdp import FullyShardedDataParallel, StepCommunication, is_sharded_layer
+from cs336_systems.fsdp import BYTES_KEYS, FullyShardedDataParallel, StepCommunication, is_sharded_layer
 from cs336_systems.model import ModelConfig, TransformerLM
 from cs336_systems.timeline import record_timeline, stream_timeline
 
-VARIANTS = ("ours", "fsdp2", "ddp", "single")
+VARIANTS = ("ours", "ours_exact", "fsdp2", "ddp", "single")
+COUNTED = ("ours", "ours_exact")  # the variants that count their own waits and bytes
 TRACED = ("ours", "fsdp2")  # the variants whose all-gathers the timeline shows
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 LAYER = "fsdp_layer_"  # record_function label of Transformer block i's forward in traced steps, followed by i
-STAT_KEYS = ("gather_wait_s", "sync_wait_s", "bytes_all_gathered", "bytes_reduce_scattered", "bytes_all_reduced")
+STAT_KEYS = ("gather_wait_s", "sync_wait_s", *BYTES_KEYS)
 NO_STREAMS = "no CUDA streams on the CPU: gloo's collectives run on its worker threads, not beside compute kernels"
 
 
@@ -114,9 +118,10 @@ def wrap(variant: str, model: TransformerLM, ctx: DistContext, settings: Setting
         return ddp.wrap("bucketed", model, settings.bucket_size_mb)
     if variant == "fsdp2":
         return fully_shard_model(model, ctx.device, settings)
-    if variant == "ours":
+    if variant in COUNTED:
         return FullyShardedDataParallel(
-            model, compute_dtype=settings.dtype, prefetch_distance=settings.prefetch_distance
+            model, compute_dtype=settings.dtype, prefetch_distance=settings.prefetch_distance,
+            exact=variant == "ours_exact",
         )
     raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
 
@@ -127,7 +132,7 @@ def computed_bytes(variant: str, model: TransformerLM, world_size: int, settings
     dtype) for forward and again for backward, the root's once (it keeps them from forward to backward), and
     reduce-scatters every gradient in fp32; DDP all-reduces every fp32 gradient; the floor sends nothing."""
     compute = dtype_bytes(settings.compute_dtype)
-    moved = {"bytes_all_gathered": 0.0, "bytes_reduce_scattered": 0.0, "bytes_all_reduced": 0.0}
+    moved = dict.fromkeys(BYTES_KEYS, 0.0)
     for name, p in model.named_parameters():
         full = p.numel()
         if variant == "fsdp2":
@@ -212,7 +217,7 @@ def measure(
     def sync_gradients() -> None:
         if hasattr(model, "finish_gradient_synchronization"):
             model.finish_gradient_synchronization()
-        if getattr(model, "measure_communication", False) and variant == "ours":
+        if getattr(model, "measure_communication", False):
             counted.append(model.last_communication)
 
     step = workload.TrainingStep(model, optimizer, batch, settings.dtype, sync_gradients)
@@ -220,7 +225,7 @@ def measure(
     reset_peak(ctx.device)
     step_s = time_steps(step.train_step, 0, steps, ctx.device)
     peak = peak_mib(ctx.device)
-    if variant == "ours":
+    if variant in COUNTED:
         # Back to back, as in training: with a sync after every step (time_steps) each rank starts the next one
         # when its own CPU gets there, and the first all-gather then measures that start skew between ranks
         # (2x H200: 18.6 ms median per step on one rank, against 1.5 ms on both run back to back).
@@ -271,9 +276,10 @@ def cell_rows(variant: str, setting: dict[str, Any], per_rank: list[dict | None]
 
 
 def waits_and_bytes(variant: str, result: dict[str, Any]) -> tuple[dict, dict, str]:
-    """Ours: the medians of its counted statistics. The others: no counted waits (FSDP2 hides its all-gather
-    waits inside its hooks: None, read the timeline instead; DDP and the floor gather nothing: 0), computed bytes."""
-    if variant == "ours":
+    """Ours (either mode): the medians of its counted statistics. The others: no counted waits (FSDP2 hides its
+    all-gather waits inside its hooks: None, read the timeline instead; DDP and the floor gather nothing: 0),
+    computed bytes."""
+    if variant in COUNTED:
         median = {key: statistics.median(stats[key] for stats in result["counted"]) for key in STAT_KEYS}
         waits = {"gather_wait_ms": median["gather_wait_s"] * 1e3, "sync_wait_ms": median["sync_wait_s"] * 1e3}
         return waits, {key: median[key] for key in STAT_KEYS if key.startswith("bytes")}, "counted"

@@ -6,13 +6,14 @@ per (variant, rank):
     python -m cs336_systems.launch --nproc 2 --backend nccl --out X.csv --also T.csv -- \\
         cs336_systems.experiments.fsdp_benchmark --size 2.7B --batch-size 2 --context-length 2048 --attention sdpa \\
         --compute-dtype bf16 --trace-dir TRACES --timeline-out T.csv
-Variants (cs336_systems.fsdp_benchmarking): `ours`, `fsdp2` (fully_shard per block and root, the same precision
-policy and prefetch distance), `ddp` (our bucketed DDP) and `single` (rank 0 alone, the floor). Per variant a
+Variants (cs336_systems.fsdp_benchmarking): `ours`, `ours_exact` (ours in exact mode: bit-equal to one process's
+training, what that costs), `fsdp2` (fully_shard per block and root, the same precision policy and prefetch
+distance), `ddp` (our bucketed DDP) and `single` (rank 0 alone, the floor). Per variant a
 fresh model, `--warmup` steps, then `--steps` timed steps (workload.TrainingStep, AdamW, `--batch-size`
 sequences per rank). Columns: `step_ms` (per step the slowest rank's; median, min, max), `peak_mib` (this rank's
 allocator peak over the timed steps; empty on the CPU), `gather_wait_ms` / `sync_wait_ms` (ours: the exposed
 all-gather wait and the wait in finish_gradient_synchronization, counted by the wrapper in as many more steps run back to back;
-FSDP2: not counted, see the timeline), `bytes_*` (bytes one rank sends per step: counted by ours, computed for
+FSDP2: not counted, see the timeline), `bytes_*` (bytes one rank receives (all-gathers) or sends per step: counted by ours, computed for
 the others; `bytes_source`).
 `--trace-dir` (CUDA) gets a Chrome trace of `--trace-steps` steps of ours and FSDP2 from rank 0, each block's
 forward annotated; `--timeline-out` the kernels of the last one (stream, kind, start_ms, end_ms, layer), or a

@@ -14,9 +14,10 @@ from cs336_systems.report.analysis import IN_TIME_MS, fsdp_goals, gather_exposur
 from cs336_systems.report.context import Context, fsdp_units
 from cs336_systems.report.formatting import capitalized, count, not_measured, provenance_line, text_md
 
-ORDER = ["ours", "fsdp2", "ddp", "single"]
+ORDER = ["ours", "ours_exact", "fsdp2", "ddp", "single"]
 LABEL = {
     "ours": "our FSDP",
+    "ours_exact": "our FSDP, exact mode",
     "fsdp2": "PyTorch FSDP2",
     "ddp": "our bucketed DDP",
     "single": "one rank alone (floor)",
@@ -26,6 +27,9 @@ KIND_COLOR = {"compute": "tab:blue", "memcpy": "tab:cyan", "all_gather": "tab:or
               "reduce_scatter": "tab:green", "all_reduce": "tab:purple", "communication": "tab:gray"}
 EXPOSED_COLOR = "tab:red"
 VARIANT_COLOR = {"ours": "0.2", "fsdp2": "0.65"}
+BYTES_COLUMNS = {"bytes_all_gathered": "all-gathered (MiB)", "bytes_reduce_scattered": "reduce-scattered (MiB)",
+                 "bytes_all_reduced": "all-reduced (MiB)",
+                 "bytes_activations_gathered": "activations and output gradients all-gathered (MiB)"}
 
 
 def render(ctx: Context) -> str:
@@ -55,7 +59,7 @@ def cell_table(frame: pd.DataFrame) -> pd.DataFrame:
         **{c: (c, "first") for c in ("step_ms", "step_min_ms", "step_max_ms", "steps", "bytes_source")
            if c in ran},
         **{c: (c, "max") for c in ("peak_mib", "gather_wait_ms", "sync_wait_ms") if c in ran},
-        **{c: (c, "first") for c in ("bytes_all_gathered", "bytes_reduce_scattered", "bytes_all_reduced") if c in ran},
+        **{c: (c, "first") for c in BYTES_COLUMNS if c in ran},
     )
     cells = cells.reset_index()
     cells["order"] = cells["variant"].map(ORDER.index)
@@ -88,7 +92,12 @@ def setup(frame: pd.DataFrame) -> str:
         "synchronisations; a step's time is the slowest rank's (median, min–max). "
         f"{precision} Prefetch distance {first['prefetch_distance']:.0f}: a unit's all-gather starts once the "
         "unit that many before it has finished its forward (our units: every Linear and Embedding weight; FSDP2's: "
-        "each Transformer block and the root). *Exposed all-gather*: ours counts the time its compute stream waited for "
+        "each Transformer block and the root). Our FSDP runs in its usual mode (each rank's weight gradients "
+        "reduce-scattered), the mode of every other section's timings; *exact mode*, where it ran, is the one the "
+        "assignment's fp32 test gets through our adapter: training equal to the bit to one process's, because every "
+        "unit runs its forward and backward over the whole batch (its inputs and output gradients all-gathered "
+        "in batch order) and each rank keeps its shard of the weight gradients, with no reduce-scatter. "
+        "*Exposed all-gather*: ours counts the time its compute stream waited for "
         "all-gathers, in as many more steps run back to back as in training (the largest rank's median; a sync "
         "after every step would make each rank start the next at its own time, and the first all-gather would "
         "count that skew); FSDP2 does not expose that wait (the timeline below measures both). Bytes: what one rank "
@@ -105,6 +114,8 @@ def world(frame: pd.DataFrame, cells: pd.DataFrame, world_size: int) -> str:
     if (rows["device"] != "cuda").all():
         out += ["Peak memory: the CPU has no allocator statistics, so it is not measured here.", ""]
     out += [goals_text(here, world_size)]
+    if "ours_exact" in set(here["variant"]):
+        out += ["", exact_text(here)]
     if world_size == 1:
         out += ["", overhead_text(here)]
     return "\n".join(out)
@@ -130,9 +141,7 @@ def results_table(cells: pd.DataFrame) -> pd.DataFrame:
                 "peak per rank (MiB)": "—" if pd.isna(c.get("peak_mib")) else f"{c['peak_mib']:,.0f}",
                 "exposed all-gather (ms)": "not counted" if pd.isna(wait) else f"{wait:.2f}",
                 "share of step": "" if pd.isna(wait) else f"{wait / c['step_ms']:.1%}",
-                "all-gathered (MiB)": mib(c.get("bytes_all_gathered")),
-                "reduce-scattered (MiB)": mib(c.get("bytes_reduce_scattered")),
-                "all-reduced (MiB)": mib(c.get("bytes_all_reduced")),
+                **{label: mib(c[column]) for column, label in BYTES_COLUMNS.items() if column in c},
                 "bytes": c.get("bytes_source", ""),
             }
         )
@@ -164,6 +173,25 @@ def goals_text(cells: pd.DataFrame, world_size: int) -> str:
 
 def fmt(value: float, unit: str) -> str:
     return "—" if pd.isna(value) else f"{value:,.1f} {unit}" if unit == "MiB" else f"{value:.2f} {unit}"
+
+
+def exact_text(cells: pd.DataFrame) -> str:
+    """What exact mode costs against the usual mode in the same run: step time and bytes per rank."""
+    by = cells[cells["status"] == "ok"].set_index("variant")
+    if "ours_exact" not in by.index:
+        return "**Exact mode** ran out of memory here." if (cells["variant"] == "ours_exact").any() else ""
+    exact = by.loc["ours_exact"]
+    moved = lambda c: sum(c.get(k, 0.0) for k in BYTES_COLUMNS if not pd.isna(c.get(k, math.nan)))
+    text = f"**Exact mode** (bit-equal to one process's training): {exact['step_ms']:.1f} ms per step"
+    if "ours" in by.index:
+        usual = by.loc["ours"]
+        text += (f", {exact['step_ms'] / usual['step_ms']:.2f}× our usual mode's {usual['step_ms']:.1f} ms; it moves "
+                 f"{moved(exact) / MIB:,.1f} MiB per rank per step against {moved(usual) / MIB:,.1f} MiB")
+    activations = exact.get("bytes_activations_gathered", math.nan)
+    if not pd.isna(activations):
+        text += (f" ({activations / MIB:,.1f} MiB of them activations and output gradients, "
+                 f"{exact['bytes_reduce_scattered'] / MIB:,.1f} MiB reduce-scattered)")
+    return text + "."
 
 
 def overhead_text(cells: pd.DataFrame) -> str:
