@@ -540,6 +540,8 @@ def torch_nn_bf16() -> None:
     reference = copy.deepcopy(model)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     fsdp = FullyShardedDataParallel(model, compute_dtype=torch.bfloat16)
+    norm_inputs = []  # the LayerNorm, replicated, runs in float32 (CUDA's layer_norm refuses bf16 with fp32 weights)
+    model.norm.register_forward_pre_hook(lambda _, args: norm_inputs.append(args[0].dtype))
     optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
@@ -572,6 +574,7 @@ def torch_nn_bf16() -> None:
                 assert error <= 3e-2, f"torch.nn bf16: {name}'s gradient differs by {error:.3g} (relative)"
         optimizer.step()
         reference_optimizer.step()
+    assert norm_inputs == [torch.float32] * 3, f"the LayerNorm's inputs were {norm_inputs}"
     full = fsdp.gather_full_params()
     for name, p in reference.named_parameters():
         assert full[name].dtype == torch.float32, f"{name}: master weights must stay float32"

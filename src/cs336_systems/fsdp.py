@@ -40,7 +40,8 @@ small, are averaged there in one all-reduce.
 **Mixed precision.** With `compute_dtype`, each unit's floating-point inputs and its replicated parameters
 (biases; norms inside a unit) are cast to it around the unit's forward, as FSDP2's MixedPrecisionPolicy does, so
 ordinary torch.nn models (a float32 LayerNorm before a biased Linear) run; the casts are differentiable, so those
-parameters keep float32 gradients. Replicated modules outside every unit (norms) run as they are.
+parameters keep float32 gradients. Modules of replicated parameters outside every unit (norms) get their
+floating-point inputs in their parameters' dtype, as autocast runs norms in float32.
 
 **Exact mode** (`exact=True`): training equal to the bit to single-process training on the whole batch (the
 2026 handout's FSDP test in fp32), at the cost of every rank computing every unit over the whole batch. The usual
@@ -181,6 +182,7 @@ class _ExactCall:
     weights: list[_ShardedWeight]
     params: list[tuple[nn.Module, str, nn.Parameter]]
     unit: int | None  # index into FullyShardedDataParallel.units; None for a module of replicated parameters
+    cast: torch.dtype | None  # the dtype its floating-point inputs and parameters were cast to (None: as they are)
 
 
 class _WholeBatch(torch.autograd.Function):
@@ -250,8 +252,9 @@ class FullyShardedDataParallel(nn.Module):
         self.replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in sharded]
         # per unit, the trainable replicated parameters inside it (biases; norms inside a block): (owner, name, p)
         self._unit_params = [_replicated_params(unit_module, sharded) for unit_module, _ in self.units]
-        # exact mode: the modules outside every unit that hold replicated parameters (norms), each its own call
-        self.replicated_modules = self._replicated_modules(module, sharded) if exact else []
+        # the modules outside every unit that hold replicated parameters (norms): with a compute dtype they run in
+        # their parameters' dtype; in exact mode each is an exact call of its own
+        self.replicated_modules = self._replicated_modules(module, sharded)
 
         self.order: list[int] = []  # indices into self.units in the order they ran (first forward)
         self._position: dict[int, int] = {}  # unit index -> its position in self.order
@@ -277,7 +280,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit, (unit_module, _) in enumerate(self.units):
             unit_module.register_forward_pre_hook(_hook(this, "_before_forward", unit))
             unit_module.register_forward_hook(_hook(this, "_after_forward", unit))
-        for replicated in self.replicated_modules:
+        for replicated in self.replicated_modules if exact or compute_dtype is not None else []:
             replicated.register_forward_pre_hook(_hook(this, "_before_replicated_forward"))
             replicated.register_forward_hook(_hook(this, "_after_replicated_forward"))
         for index, weight in enumerate(self.weights):
@@ -298,18 +301,21 @@ class FullyShardedDataParallel(nn.Module):
         return unit_of
 
     def _replicated_modules(self, module: nn.Module, sharded: set[int]) -> list[nn.Module]:
-        """Exact mode: the modules that hold trainable replicated parameters themselves, outside every unit. One
-        that also contains a unit cannot run over the whole batch without running the unit inside it again."""
+        """The modules that hold trainable replicated parameters themselves, outside every unit and around none.
+        Exact mode refuses one around a unit (it cannot run over the whole batch without running the unit inside
+        it again) and one inside another (the inner one would gather the whole batch twice)."""
         in_unit = {id(m) for unit_module, _ in self.units for m in unit_module.modules()}
         owners = []
         for name, owner in module.named_modules():
             if id(owner) in in_unit or not _replicated_params(owner, sharded, recurse=False):
                 continue
             if any(id(m) in in_unit for m in owner.modules()):
+                if not self.exact:
+                    continue
                 raise ValueError(f"exact mode: {name or 'the wrapped module'} ({type(owner).__name__}) holds "
                                  "replicated parameters and contains sharded layers; its parameters' gradients "
                                  "cannot be computed over the whole batch alone: move them into a submodule")
-            if any(m is not owner and m in owners for m in owner.modules()):
+            if self.exact and any(m is not owner and m in owners for m in owner.modules()):
                 raise ValueError(f"exact mode: {name} ({type(owner).__name__}) holds replicated parameters and "
                                  "contains another module that does")
             owners.append(owner)
@@ -369,7 +375,7 @@ class FullyShardedDataParallel(nn.Module):
                 self._gather(self._neighbour(unit, ahead))
         self._wait_gathered(unit)
         if self.exact and torch.is_grad_enabled():
-            return self._start_exact_call(module, args, weights, self._unit_params[unit], unit)
+            return self._start_exact_call(module, args, weights, self._unit_params[unit], unit, self.compute_dtype)
         for weight in weights:
             weight.use_full_weight()
         return self._use_compute_dtype(unit, args)
@@ -381,12 +387,7 @@ class FullyShardedDataParallel(nn.Module):
             return args
         for owner, name, param in self._unit_params[unit]:
             owner._parameters[name] = param.to(self.compute_dtype)  # type: ignore[assignment]
-        return tuple(self._cast(a) for a in args)
-
-    def _cast(self, value):
-        if self.compute_dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.to(self.compute_dtype)
-        return value
+        return tuple(_cast(a, self.compute_dtype) for a in args)
 
     def _after_forward(self, unit: int, module: nn.Module, _inputs, output):
         for index in self.units[unit][1]:
@@ -411,36 +412,43 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------------------------- exact mode (forward)
 
     def _before_replicated_forward(self, module: nn.Module, args: tuple) -> tuple:
-        if not torch.is_grad_enabled():
+        """A module of replicated parameters outside the units (a norm): with a compute dtype its floating-point
+        inputs in its parameters' dtype (as autocast runs norms in float32); in exact mode an exact call."""
+        params = _replicated_params(module, set(), recurse=False)
+        if self.compute_dtype is not None:
+            args = tuple(_cast(a, params[0][2].dtype) for a in args)
+        if not self.exact or not torch.is_grad_enabled():
             return args
         if self._in_backward:
             raise RuntimeError("exact mode does not support activation checkpointing: a module's forward ran "
                                "again during the backward")
-        return self._start_exact_call(module, args, [], _replicated_params(module, set(), recurse=False), None)
+        return self._start_exact_call(module, args, [], params, None, None)
 
     def _after_replicated_forward(self, module: nn.Module, _inputs, output):
         return self._finish_exact_call(module, output) if self._calls.get(module) else output
 
     def _start_exact_call(self, module: nn.Module, args: tuple, weights: list[_ShardedWeight],
-                          params: list[tuple[nn.Module, str, nn.Parameter]], unit: int | None) -> tuple:
+                          params: list[tuple[nn.Module, str, nn.Parameter]], unit: int | None,
+                          cast: torch.dtype | None) -> tuple:
         """Exact mode's forward pre-hook: the module will run over the whole batch (its inputs from every rank,
-        in rank order) with its weights and parameters detached, so that it builds no graph; _finish_exact_call
-        keeps this rank's rows and the graph to the backward over the whole batch."""
+        in rank order, cast to `cast` with its parameters) with its weights and parameters detached, so that it
+        builds no graph; _finish_exact_call keeps this rank's rows and the graph to the backward over the whole
+        batch."""
         if any(not isinstance(a, torch.Tensor) for a in args) or not args:
             raise TypeError(f"exact mode: {type(module).__name__}'s forward must take tensors only (positional), "
                             f"got {[type(a).__name__ for a in args]}")
-        local = tuple(self._cast(a) for a in args)
+        local = tuple(_cast(a, cast) for a in args)
         rows = self._rows_per_rank(local)
         inputs = tuple(self._all_gather_rows(a.detach(), rows) for a in local)
         device = local[0].device.type
         autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         needs_grad = [a.requires_grad for a in local]
-        call = _ExactCall(module, local, inputs, needs_grad, rows, autocast, weights, params, unit)
+        call = _ExactCall(module, local, inputs, needs_grad, rows, autocast, weights, params, unit, cast)
         self._calls.setdefault(module, []).append(call)
         for weight in weights:
             weight.use_full_weight(detached=True)
         for owner, name, param in params:
-            owner._parameters[name] = self._cast(param.detach())  # type: ignore[assignment]
+            owner._parameters[name] = _cast(param.detach(), cast)  # type: ignore[assignment]
         return inputs
 
     def _finish_exact_call(self, module: nn.Module, output):
@@ -502,7 +510,7 @@ class FullyShardedDataParallel(nn.Module):
             for weight in call.weights:
                 weight.use_full_weight()
             for owner, name, param in call.params:
-                owner._parameters[name] = self._cast(param)  # type: ignore[assignment]
+                owner._parameters[name] = _cast(param, call.cast)  # type: ignore[assignment]
             try:
                 output = call.module.forward(*inputs)  # not module(...): its hooks must not run again
             finally:
@@ -621,6 +629,13 @@ def _replicated_params(module: nn.Module, sharded: set[int], recurse: bool = Tru
     owners = module.modules() if recurse else [module]
     return [(owner, name, p) for owner in owners for name, p in owner._parameters.items()
             if p is not None and p.requires_grad and p.is_floating_point() and id(p) not in sharded]
+
+
+def _cast(value, dtype: torch.dtype | None):
+    """A floating-point tensor in `dtype` (a differentiable cast); anything else, or dtype None, as it is."""
+    if dtype is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    return value
 
 
 def _put_back(params: list[tuple[nn.Module, str, nn.Parameter]]) -> None:
