@@ -6,8 +6,8 @@ for _key, _study in CHECKPOINTING.items():
     if _study["size"] not in MODEL_SIZES:
         raise WorkflowError(f"config.yaml: runs.{RUN}.checkpointing.{_key}.size: unknown model size "
                             f"{_study['size']!r}; known: {list(MODEL_SIZES)}")
-CHECKPOINTING_CODE = code("experiments/checkpointing_benchmark.py", "checkpointing.py",
-                          "checkpointing_benchmarking.py", "cuda_memory.py", *MODEL_CODE)
+CHECKPOINTING_CODE = code("experiments/checkpointing_benchmark.py", "model/checkpointing.py",
+                          "bench/checkpoint_memory.py", "measure/cuda_memory.py", *MODEL_CODE)
 CHECKPOINTING_CLI = ("python -m cs336_systems.experiments.checkpointing_benchmark --size {params.size} "
                      "--batch-size {params.batch_size} --context-length {params.context_length} "
                      "--attention {params.attention} --warmup {params.warmup} --steps {params.steps} "

@@ -9,7 +9,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir, "src")))  # this checkout's package, for its size table
-from cs336_systems.sizes import MODEL_SIZES  # noqa: E402  (torch-free)
+from cs336_systems.model.sizes import MODEL_SIZES  # noqa: E402  (torch-free)
 
 
 def _validate_config():

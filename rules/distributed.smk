@@ -1,7 +1,7 @@
 # The multi-process deliverables: §2.1.3 all-reduce benchmark, §2.2-2.3 DDP (correctness check, benchmarks and
 # the overlap timeline), §2.4 communication accounting, §3 optimizer state sharding.
 # Every multi-process job is the one launch pattern below (`use rule launch_ranks as ... with:`): it starts through
-# cs336_systems.launch, which writes a `skipped` row ("needs N GPUs, found M") where an NCCL job has too few GPUs,
+# cs336_systems.parallel.launch, which writes a `skipped` row ("needs N GPUs, found M") where an NCCL job has too few GPUs,
 # so the pipeline completes and the writeup says what did not run; the `gpus_ok` param (rules/resources.smk)
 # reruns such a result once the GPUs are there.
 ALLREDUCE = R["allreduce"]
@@ -10,9 +10,9 @@ SHARDING = R["sharding"]
 ACCOUNTING = config["communication_accounting"]
 # DDP and sharding run on NCCL (one GPU per process) on a GPU run, on gloo (CPU processes) on a CPU run.
 DIST_BACKEND = "nccl" if R["device"] == "cuda" else "gloo"
-DIST_CODE = ("distributed.py", "launch.py")
+DIST_CODE = ("parallel/distributed.py", "parallel/launch.py")
 # What the DDP and sharding benchmarks share (gathering, rows) and what it builds on.
-BENCHMARK_CODE = ("distributed_benchmarking.py", "accounting.py", "partition.py", "ddp.py", *MODEL_CODE)
+BENCHMARK_CODE = ("bench/data_parallel.py", "accounting/formulas.py", "parallel/partition.py", "parallel/ddp.py", *MODEL_CODE)
 ALLREDUCE_CSV = f"{RESULTS}/allreduce/{{backend}}_n{{world_size}}.csv"
 CHECK_CSV = f"{RESULTS}/naive_ddp/check.csv"
 DDP_CSV = f"{RESULTS}/ddp/benchmark.csv"
@@ -24,7 +24,7 @@ DDP_REPORT = dict(caption="report/ddp.rst", category="Results",
 
 def launched(nproc, backend, csv, also=None, nodes=1):
     """The params of a job of `nproc` processes on `backend` over `nodes` nodes (values, or functions of the
-    wildcards) whose table is `csv`: `launcher`, the command that starts cs336_systems.launch (launcher()); `nproc`,
+    wildcards) whose table is `csv`: `launcher`, the command that starts cs336_systems.parallel.launch (launcher()); `nproc`,
     the processes per node; `gpus`, what pin_gpus must hold (the `gpu` resource says the same, but Snakemake
     lowers it to the profile's limit, `--resources gpu=1`, and an NCCL job alone on a 2-GPU box should still get
     both); `gpus_ok` reruns a result skipped for lack of them; `also` is another output that gets the launcher's
@@ -42,17 +42,17 @@ def launched(nproc, backend, csv, also=None, nodes=1):
 
 
 def launcher(nodes, gpus_per_node):
-    """cs336_systems.launch on this machine, or on each of `nodes` nodes of a SLURM job: one srun task per node
+    """cs336_systems.parallel.launch on this machine, or on each of `nodes` nodes of a SLURM job: one srun task per node
     in a job step beside the one Snakemake's jobstep executor runs the rule in (--overlap), with the node's GPUs;
-    the launchers meet at the rendezvous cs336_systems.launch derives from the job's environment. Outside a SLURM
+    the launchers meet at the rendezvous cs336_systems.parallel.launch derives from the job's environment. Outside a SLURM
     job the command stops at once, saying why."""
     if nodes == 1:
-        return "python -m cs336_systems.launch"
+        return "python -m cs336_systems.parallel.launch"
     gpus = f" --gpus-per-node={gpus_per_node}" if gpus_per_node else ""
     return (f"{{ [ -n \"${{SLURM_JOB_ID:-}}\" ] || {{ echo 'a job on {nodes} nodes runs in a SLURM job "
             f"(snakemake --profile profiles/slurm)' >&2; exit 1; }}; }}; "
             f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --overlap --kill-on-bad-exit=1{gpus} "
-            f"python -m cs336_systems.launch --nnodes {nodes}")
+            f"python -m cs336_systems.parallel.launch --nnodes {nodes}")
 
 
 def rank_threads(nproc, nodes=1):
@@ -96,7 +96,7 @@ use rule launch_ranks as allreduce_benchmark with:
 
 use rule launch_ranks as naive_ddp_check with:
     input:
-        code("experiments/naive_ddp_check.py", "ddp.py", "toy_model.py", *DIST_CODE),
+        code("experiments/naive_ddp_check.py", "parallel/ddp.py", "model/toy.py", *DIST_CODE),
     output:
         csv=report(CHECK_CSV, **DDP_REPORT),
         json=f"{RESULTS}/naive_ddp/check.json",
@@ -115,7 +115,7 @@ use rule launch_ranks as naive_ddp_check with:
 # per variant is the committed, plotted result (where the launcher skips, it gets the skipped row too).
 use rule launch_ranks as ddp_benchmark with:
     input:
-        code("experiments/ddp_benchmark.py", "timeline.py", *BENCHMARK_CODE, *DIST_CODE),
+        code("experiments/ddp_benchmark.py", "measure/timeline.py", *BENCHMARK_CODE, *DIST_CODE),
     output:
         csv=report(DDP_CSV, **DDP_REPORT),
         json=f"{RESULTS}/ddp/benchmark.json",
@@ -137,7 +137,7 @@ use rule launch_ranks as ddp_benchmark with:
 
 use rule launch_ranks as sharding_benchmark with:
     input:
-        code("experiments/sharding_benchmark.py", "sharded_optimizer.py", *BENCHMARK_CODE, *DIST_CODE),
+        code("experiments/sharding_benchmark.py", "parallel/sharded_optimizer.py", *BENCHMARK_CODE, *DIST_CODE),
     output:
         csv=report(SHARDING_CSV, caption="report/sharding.rst", category="Results",
                    subcategory="3 Optimizer state sharding"),
@@ -157,7 +157,7 @@ use rule launch_ranks as sharding_benchmark with:
 
 rule communication_accounting:
     input:
-        code("experiments/communication_accounting.py", "accounting.py", "partition.py"),
+        code("experiments/communication_accounting_analysis.py", "accounting/formulas.py", "parallel/partition.py"),
     output:
         csv=report(f"{RESULTS}/communication_accounting/xxl.csv", caption="report/communication_accounting.rst",
                    category="Results", subcategory="2.4 Communication accounting"),
@@ -177,7 +177,7 @@ rule communication_accounting:
     conda:
         ENV
     shell:
-        "python -m cs336_systems.experiments.communication_accounting {params.flags} {params.mesh} "
+        "python -m cs336_systems.experiments.communication_accounting_analysis {params.flags} {params.mesh} "
         "--out {output.csv} 2> {log}"
 
 

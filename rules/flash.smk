@@ -2,7 +2,7 @@
 # the grid against PyTorch's fastest attention (SDPA's cuDNN and flash backends, compiled FlexAttention) and an
 # Nsight Compute profile of our kernels beside cuDNN's.
 FLASH, BOARD, PEERS, FLASH_NCU = R["flash"], R["leaderboard"], R["flash_peers"], R["flash_ncu"]
-FLASH_CODE = code("flash_benchmarking.py", "flash_attention.py", "flash_triton.py", "triton_interpreter.py")
+FLASH_CODE = code("bench/flash_variants.py", "kernels/flash_attention.py", "kernels/flash_triton.py", "kernels/triton_interpreter.py")
 
 
 rule flash_benchmark:
@@ -33,7 +33,7 @@ rule flash_benchmark:
 
 rule flash_leaderboard:
     input:
-        code("experiments/leaderboard.py") + FLASH_CODE,
+        code("experiments/flash_leaderboard.py") + FLASH_CODE,
     output:
         csv=report(f"{RESULTS}/leaderboard/leaderboard.csv", caption="report/leaderboard.rst",
                    category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),
@@ -54,7 +54,7 @@ rule flash_leaderboard:
         ENV
     shell:
         "pin_gpus {resources.gpu}; "
-        "python -m cs336_systems.experiments.leaderboard --heads {params.heads} --seq-len {params.seq_len} "
+        "python -m cs336_systems.experiments.flash_leaderboard --heads {params.heads} --seq-len {params.seq_len} "
         "--d-head {params.d_head} --warmup-ms {params.warmup_ms} --rep-ms {params.rep_ms} --out {output.csv} "
         "2> {log}"
 
@@ -94,7 +94,7 @@ rule flash_peers:
 
 rule flash_ncu:
     input:
-        code("experiments/flash_ncu.py", "ncu.py") + FLASH_CODE,
+        code("experiments/flash_ncu.py", "measure/ncu.py") + FLASH_CODE,
     output:
         csv=report(f"{RESULTS}/flash_ncu/kernels.csv", caption="report/flash_ncu.rst",
                    category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),

@@ -37,7 +37,7 @@ def fsdp_cli(wildcards):
 
 use rule launch_ranks as fsdp_benchmark with:
     input:
-        code("experiments/fsdp_benchmark.py", "fsdp_benchmarking.py", "fsdp.py", "timeline.py", "cuda_memory.py",
+        code("experiments/fsdp_benchmark.py", "bench/fsdp_variants.py", "parallel/fsdp.py", "measure/timeline.py", "measure/cuda_memory.py",
              *BENCHMARK_CODE, *DIST_CODE),
     output:
         csv=report(FSDP_CSV, **FSDP_REPORT),

@@ -11,9 +11,9 @@ shell.prefix(f"set -euo pipefail; source {PIN_GPUS}; ")
 
 # What every experiment CLI imports (cs336_systems.cli and what it builds on). Not sizes.py: a rule that builds a
 # model has its size's row of that table as a param (model_dims), so editing one size reruns that size's jobs only.
-CLI_CODE = ("cli.py", "model.py", "benchmarking.py", "provenance.py")
+CLI_CODE = ("cli.py", "model/transformer.py", "measure/timing.py", "measure/provenance.py")
 # The Transformer workload: the model, its batch and its training step.
-MODEL_CODE = ("workload.py",)
+MODEL_CODE = ("training/workload.py",)
 
 
 def code(*modules, view_only=VIEW_ONLY):
@@ -27,7 +27,7 @@ def code(*modules, view_only=VIEW_ONLY):
 
 def model_dims(size=None):
     """The `model` param of a rule that builds the Transformer: the dimensions of `size` (default: the `size`
-    wildcard) from cs336_systems.sizes; the command passes only the name."""
+    wildcard) from cs336_systems.model.sizes; the command passes only the name."""
     return (lambda w: MODEL_SIZES[w.size]) if size is None else MODEL_SIZES[size]
 
 

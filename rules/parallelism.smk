@@ -10,7 +10,7 @@ CHECKS_CSV = f"{RESULTS}/parallelism_checks/n{{world_size}}.csv"
 
 rule parallelism_analysis:
     input:
-        code("experiments/parallelism_analysis.py", "parallelism.py"),
+        code("experiments/parallelism_analysis.py", "accounting/parallelism.py"),
     output:
         csv=report(f"{RESULTS}/parallelism/answers.csv", caption="report/parallelism.rst", category="Results",
                    subcategory="8 Parallelism analysis"),
@@ -34,7 +34,7 @@ rule parallelism_analysis:
 
 use rule launch_ranks as ring_allreduce_timing with:
     input:
-        code("experiments/ring_allreduce_timing.py", "ring_collectives.py", "parallelism.py", *DIST_CODE),
+        code("experiments/ring_allreduce_timing.py", "parallel/ring_collectives.py", "accounting/parallelism.py", *DIST_CODE),
     output:
         csv=report(RING_TIMING_CSV, caption="report/parallelism.rst", category="Results",
                    subcategory="8 Parallelism analysis"),
@@ -54,8 +54,8 @@ use rule launch_ranks as ring_allreduce_timing with:
 
 use rule launch_ranks as parallelism_checks with:
     input:
-        code("experiments/parallelism_checks.py", "parallelism_checks.py", "ring_collectives.py", "ffn_parallel.py",
-             "parallelism.py", *DIST_CODE),
+        code("experiments/parallelism_checks.py", "bench/strategy_checks.py", "parallel/ring_collectives.py", "parallel/ffn_parallel.py",
+             "accounting/parallelism.py", *DIST_CODE),
     output:
         csv=report(CHECKS_CSV, caption="report/parallelism.rst", category="Results",
                    subcategory="8 Parallelism analysis"),

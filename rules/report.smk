@@ -8,7 +8,7 @@ REPORT_PACKAGE = Path(workflow.basedir, "src/cs336_systems")
 REPORT_CODE = code(*sorted(p.relative_to(REPORT_PACKAGE).as_posix()
                            for p in (REPORT_PACKAGE / "report").rglob("*.py")), view_only=False)
 # The model's parameter count orders the sizes: library code, view-only like the experiments'.
-REPORT_CODE += code("model.py", "sizes.py")
+REPORT_CODE += code("model/transformer.py", "model/sizes.py")
 
 
 rule writeup:

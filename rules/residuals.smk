@@ -8,8 +8,8 @@ if RESIDUALS["size"] not in MODEL_SIZES:
 
 rule residuals:
     input:
-        code("experiments/residuals.py", "residuals.py", "flash_attention.py", "flash_triton.py",
-             "triton_interpreter.py"),
+        code("experiments/residuals_benchmark.py", "measure/saved_tensors.py", "kernels/flash_attention.py", "kernels/flash_triton.py",
+             "kernels/triton_interpreter.py"),
     output:
         csv=report(f"{RESULTS}/residuals/residuals.csv", caption="report/residuals.rst", category="Results",
                    subcategory="3.1 Autograd residuals"),
@@ -31,7 +31,7 @@ rule residuals:
         ENV
     shell:
         "pin_gpus {resources.gpu}; "
-        "python -m cs336_systems.experiments.residuals --size {params.size} --batch-size {params.batch_size} "
+        "python -m cs336_systems.experiments.residuals_benchmark --size {params.size} --batch-size {params.batch_size} "
         "--context-length {params.context_length} --heads {params.heads} --device {params.device} "
         "--out {output.csv} 2> {log}"
 

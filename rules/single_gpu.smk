@@ -7,7 +7,7 @@ MEMORY = R["memory"]
 ATTENTION_GRID = R["attention"]
 COMPILE = R["compile"]
 NAIVE_ATTENTION_CODE = code(
-    "experiments/attention_benchmark.py", "attention_timing.py", "attention_memory.py", "cuda_memory.py"
+    "experiments/attention_benchmark.py", "bench/attention_timing.py", "accounting/attention_memory.py", "measure/cuda_memory.py"
 )
 # The e2e CLI as §1.1.5 (c) and §1.3.1 (b) run it: two variants of one size in the same job.
 E2E_PAIR = ("python -m cs336_systems.experiments.e2e_benchmark --size {wildcards.size} "
@@ -17,7 +17,7 @@ E2E_PAIR = ("python -m cs336_systems.experiments.e2e_benchmark --size {wildcards
 
 rule profile_model:
     input:
-        code("experiments/profile_model.py", "profiling.py", *MODEL_CODE),
+        code("experiments/profile_model.py", "measure/profiling.py", *MODEL_CODE),
     output:
         csv=report(f"{RESULTS}/profile/{{size}}.csv", caption="report/profile.rst", category="Results",
                    subcategory="1.1.4 Profiling"),
@@ -49,7 +49,7 @@ rule profile_model:
 # A CPU-only toy (float accumulation), whatever the run's device.
 rule mixed_precision_accumulation:
     input:
-        code("experiments/mixed_precision.py", "precision.py", "toy_model.py"),
+        code("experiments/mixed_precision_benchmark.py", "bench/precision.py", "model/toy.py"),
     output:
         csv=report(f"{RESULTS}/mixed_precision/accumulation.csv", caption="report/mixed_precision.rst",
                    category="Results", subcategory="1.1.5 Mixed precision"),
@@ -62,12 +62,12 @@ rule mixed_precision_accumulation:
     conda:
         ENV
     shell:
-        "python -m cs336_systems.experiments.mixed_precision accumulation --out {output.csv} 2> {log}"
+        "python -m cs336_systems.experiments.mixed_precision_benchmark accumulation --out {output.csv} 2> {log}"
 
 
 rule mixed_precision_autocast_dtypes:
     input:
-        code("experiments/mixed_precision.py", "precision.py", "toy_model.py"),
+        code("experiments/mixed_precision_benchmark.py", "bench/precision.py", "model/toy.py"),
     output:
         csv=report(f"{RESULTS}/mixed_precision/autocast_dtypes.csv", caption="report/mixed_precision.rst",
                    category="Results", subcategory="1.1.5 Mixed precision"),
@@ -84,7 +84,7 @@ rule mixed_precision_autocast_dtypes:
         ENV
     shell:
         "pin_gpus {resources.gpu}; "
-        "python -m cs336_systems.experiments.mixed_precision autocast-dtypes --dtypes float16 bfloat16 "
+        "python -m cs336_systems.experiments.mixed_precision_benchmark autocast-dtypes --dtypes float16 bfloat16 "
         "--device {params.device} --out {output.csv} 2> {log}"
 
 
@@ -122,7 +122,7 @@ rule mixed_precision_e2e:
 
 rule memory_profile:
     input:
-        code("experiments/memory_profile.py", "cuda_memory.py", *MODEL_CODE),
+        code("experiments/memory_profile.py", "measure/cuda_memory.py", *MODEL_CODE),
     output:
         peaks=report(f"{RESULTS}/memory/peaks.csv", caption="report/memory.rst", category="Results",
                      subcategory="1.1.6 Memory profiling"),

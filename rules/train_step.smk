@@ -13,8 +13,8 @@ def train_step_options(settings=TRAIN_STEP):
 
 
 # The library code every train_step job runs; each job adds its own CLI.
-TRAIN_STEP_LIBRARY = ("train_step_benchmarking.py", "fused_cross_entropy.py", "fused_adamw.py", "flash_attention.py",
-                      "flash_triton.py", "triton_interpreter.py", "checkpointing.py", "model.py", "profiling.py")
+TRAIN_STEP_LIBRARY = ("training/stacks.py", "kernels/fused_cross_entropy.py", "kernels/fused_adamw.py", "kernels/flash_attention.py",
+                      "kernels/flash_triton.py", "kernels/triton_interpreter.py", "model/checkpointing.py", "model/transformer.py", "measure/profiling.py")
 TRAIN_STEP_CODE = code("experiments/train_step_benchmark.py", *TRAIN_STEP_LIBRARY)
 TRAIN_STEP_DIMS = " ".join(f"--{key.replace('_', '-')} {TRAIN_STEP[key]}" for key in
                            ("d_model", "d_ff", "num_heads", "vocab_size", "context_length", "batch_size"))
@@ -154,7 +154,7 @@ if SHARDED:
     use rule launch_ranks as train_step_sharded with:
         input:
             TRAIN_STEP_CODE,
-            code("fsdp.py", *DIST_CODE),
+            code("parallel/fsdp.py", *DIST_CODE),
         output:
             csv=report(SHARDED_CSV, caption="report/train_step.rst", category="Results",
                        subcategory="9 The leaderboard's training step"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from cs336_systems.benchmarking import resolve_device
-from cs336_systems.model import ATTENTION, ModelConfig
-from cs336_systems.sizes import MODEL_SIZES
+from cs336_systems.measure.timing import resolve_device
+from cs336_systems.model.sizes import MODEL_SIZES
+from cs336_systems.model.transformer import ATTENTION, ModelConfig
 
 
 class Parser(argparse.ArgumentParser):
@@ -58,7 +58,7 @@ positive_float = _number(float, 0.0, False, "> 0")
 
 def head_dim(text: str) -> int:
     """A head dim our Triton FlashAttention takes (imports triton: only where a head dim is asked for)."""
-    from cs336_systems.flash_triton import unsupported_head_dim
+    from cs336_systems.kernels.flash_triton import unsupported_head_dim
 
     try:
         d = int(text)
@@ -85,7 +85,7 @@ def add_device(p: argparse.ArgumentParser) -> None:
 def add_model_args(p: argparse.ArgumentParser, batch_size: int = 4) -> None:
     """The flags that define a model and its batch; shared by every experiment that runs the Transformer."""
     g = p.add_argument_group("model")
-    g.add_argument("--size", choices=list(MODEL_SIZES), required=True, help="model size (cs336_systems.sizes)")
+    g.add_argument("--size", choices=list(MODEL_SIZES), required=True, help="model size (cs336_systems.model.sizes)")
     g.add_argument("--batch-size", type=positive_int, default=batch_size, help="sequences per batch (per rank)")
     g.add_argument("--attention", choices=sorted(ATTENTION), default="naive")
     g.add_argument(
@@ -114,7 +114,9 @@ def add_step_sweep_args(p: argparse.ArgumentParser, warmup: int, steps: int, mea
     """The flags of a sweep that measures the Transformer's step (workload.MODES) per context length: the model
     and device flags, `--context-lengths`, `--modes`, `--warmup` and `--steps` (`measured` says how the steps
     are measured), `--autocast`."""
-    from cs336_systems import workload  # only the CLIs that run the workload need it (and list it as code)
+    from cs336_systems.training import (
+        workload,  # only the CLIs that run the workload need it (and list it as code)
+    )
 
     add_model_args(p)
     add_device(p)

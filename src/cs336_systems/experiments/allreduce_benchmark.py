@@ -2,7 +2,7 @@
 
 Run under the launcher (which records a `skipped` row where the machine lacks the GPUs); rank 0 writes one row
 per size:
-    python -m cs336_systems.launch --nproc 4 --backend nccl --out X.csv -- \
+    python -m cs336_systems.parallel.launch --nproc 4 --backend nccl --out X.csv -- \
         cs336_systems.experiments.allreduce_benchmark --sizes-mb 1 10 100 1000
 Every timed iteration starts from a barrier and ends with a device synchronisation; an iteration's time is the
 slowest rank's, and the row gives median/mean/std over iterations plus bandwidths from the median:
@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems import cli
-from cs336_systems.benchmarking import summarize
-from cs336_systems.distributed import BACKENDS, distributed
-from cs336_systems.distributed_benchmarking import time_collective
-from cs336_systems.provenance import write_rows
+from cs336_systems.bench.data_parallel import time_collective
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.measure.timing import summarize
+from cs336_systems.parallel.distributed import BACKENDS, distributed
 
 BYTES_PER_MB = 2**20
 

@@ -1,11 +1,11 @@
 """Naive attention, eager and torch.compile'd (spec §1.2.1 pytorch_attention, §1.3.1 torch_compile a).
 
-The attention is the Transformer's own `cs336_systems.model.naive_attention` (causal, materialises the
+The attention is the Transformer's own `cs336_systems.model.transformer.naive_attention` (causal, materialises the
 (seq x seq) score matrix) applied to single-head Q, K, V of shape (batch, seq, d). For each variant, d and
 sequence length: `--warmup` untimed passes, then `--passes` timed forward passes (autograd recording, as in
 training) and `--passes` timed backward passes (each after an untimed forward), synchronising after each.
 Memory (CUDA only): allocated right before `out.backward(dO)`, the peak of the forward and of the backward
-pass, and beside them the formulas of `cs336_systems.attention_memory`. One row per timed pass; a cell that
+pass, and beside them the formulas of `cs336_systems.accounting.attention_memory`. One row per timed pass; a cell that
 runs out of memory gives one `OOM` row for the phase that failed.
 """
 
@@ -15,11 +15,12 @@ import argparse
 
 import torch
 
-from cs336_systems import attention_timing, cli
-from cs336_systems.attention_memory import mib, naive_attention_memory
-from cs336_systems.benchmarking import resolve_device, rows_or_oom, time_steps
-from cs336_systems.cuda_memory import allocated_mib
-from cs336_systems.provenance import write_rows
+from cs336_systems import cli
+from cs336_systems.accounting.attention_memory import mib, naive_attention_memory
+from cs336_systems.bench import attention_timing
+from cs336_systems.measure.cuda_memory import allocated_mib
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.measure.timing import resolve_device, rows_or_oom, time_steps
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

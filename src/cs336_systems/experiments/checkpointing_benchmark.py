@@ -10,7 +10,7 @@ and one forward counted for the bytes it saves for backward. Rows (one per cell 
                 step_peak_mib, activation_peak_mib (= forward_backward_peak_mib - base_mib); off CUDA the memory
                 columns are empty and memory_reason says why
   record=block  one block's residual_bytes (R, measured), checkpoint_bytes (c) and grad_bytes_per_block (w): the
-                inputs of the residual model in cs336_systems.checkpointing
+                inputs of the residual model in cs336_systems.model.checkpointing
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ import itertools
 
 import torch
 
-from cs336_systems import checkpointing, cli, workload
-from cs336_systems.benchmarking import or_oom, resolve_device, rows_or_oom, summarize, time_steps
-from cs336_systems.checkpointing_benchmarking import block_sizes, train_step_memory
-from cs336_systems.model import ATTENTION, ModelConfig
-from cs336_systems.provenance import write_rows
-from cs336_systems.sizes import MODEL_SIZES
+from cs336_systems import cli
+from cs336_systems.bench.checkpoint_memory import block_sizes, train_step_memory
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.measure.timing import or_oom, resolve_device, rows_or_oom, summarize, time_steps
+from cs336_systems.model import checkpointing
+from cs336_systems.model.sizes import MODEL_SIZES
+from cs336_systems.model.transformer import ATTENTION, ModelConfig
+from cs336_systems.training import workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
 Run under the launcher (which records a `skipped` row where the machine lacks the GPUs); rank 0 writes one row per
 (variant, bucket_size_mb, step):
-    python -m cs336_systems.launch --nproc 2 --backend nccl --out X.csv -- cs336_systems.experiments.ddp_benchmark \
+    python -m cs336_systems.parallel.launch --nproc 2 --backend nccl --out X.csv -- cs336_systems.experiments.ddp_benchmark \
         --size xl --batch-size 2 --context-length 512 --trace-dir TRACES --timeline-out TIMELINE.csv
 The training step (workload.TrainingStep, AdamW) on `--batch-size` sequences per rank, timed between device
 synchronisations. `step_ms` is the slowest rank's step; `comm_ms` the slowest rank's time blocked in
@@ -10,7 +10,7 @@ finish_gradient_synchronization (all communication for naive/flat, only what bac
 overlap/bucketed; empty for torch_ddp, where it is not separable). Our bucketed wrapper and PyTorch's DDP
 (`bucket_cap_mb`) run at every `--bucket-sizes-mb`; `single` is the step on rank 0 alone, the floor.
 `--trace-dir` gets a Chrome trace of `--trace-steps` steps per variant from rank 0; `--timeline-out` the intervals
-of the last traced step (cs336_systems.timeline: lane, name, start_ms, end_ms, communication).
+of the last traced step (cs336_systems.measure.timeline: lane, name, start_ms, end_ms, communication).
 """
 
 from __future__ import annotations
@@ -22,10 +22,8 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from cs336_systems import cli, ddp, workload
-from cs336_systems.benchmarking import time_steps
-from cs336_systems.distributed import DistContext, distributed
-from cs336_systems.distributed_benchmarking import (
+from cs336_systems import cli
+from cs336_systems.bench.data_parallel import (
     add_distributed_model_args,
     ddp_rows,
     gather_measurements,
@@ -33,7 +31,11 @@ from cs336_systems.distributed_benchmarking import (
     setting_columns,
     write_results,
 )
-from cs336_systems.timeline import record_timeline
+from cs336_systems.measure.timeline import record_timeline
+from cs336_systems.measure.timing import time_steps
+from cs336_systems.parallel import ddp
+from cs336_systems.parallel.distributed import DistContext, distributed
+from cs336_systems.training import workload
 
 VARIANTS = (*ddp.WRAPPERS, "torch_ddp", "single")
 BUCKETED = ("bucketed", "torch_ddp")  # the variants run at every bucket size

@@ -12,10 +12,11 @@ import argparse
 
 import torch
 
-from cs336_systems import cli, workload
-from cs336_systems.benchmarking import resolve_device, rows_or_oom, time_steps
-from cs336_systems.model import ModelConfig
-from cs336_systems.provenance import write_rows
+from cs336_systems import cli
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.measure.timing import resolve_device, rows_or_oom, time_steps
+from cs336_systems.model.transformer import ModelConfig
+from cs336_systems.training import workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -24,9 +24,9 @@ import torch
 import torch._functorch.config
 
 from cs336_systems import cli
-from cs336_systems import flash_benchmarking as bench
-from cs336_systems.benchmarking import free_memory
-from cs336_systems.provenance import write_rows
+from cs336_systems.bench import flash_variants as bench
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.measure.timing import free_memory
 
 IMPLS = ("triton", "pytorch_naive", "flex", "sdpa", "sdpa_flash", "sdpa_cudnn")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-from cs336_systems import cli, ncu
-from cs336_systems import flash_benchmarking as bench
-from cs336_systems.flash_triton import unsupported_head_dim
-from cs336_systems.provenance import write_rows
+from cs336_systems import cli
+from cs336_systems.bench import flash_variants as bench
+from cs336_systems.kernels.flash_triton import unsupported_head_dim
+from cs336_systems.measure import ncu
+from cs336_systems.measure.provenance import write_rows
 
 UNITS = [
     {"impl": "triton", "pass": "forward"},
@@ -73,8 +74,7 @@ def workload(b: int, h: int, n: int, d: int, configs_out: str) -> None:
     """Warm-up (autotuning, cuDNN's plan, the marker's compile), then the profiled units, each after a marker."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cs336_systems import flash_triton
-
+    from cs336_systems.kernels import flash_triton
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(b * h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     q4, k4, v4 = (t.view(b, h, n, d).detach().requires_grad_() for t in (q, k, v))

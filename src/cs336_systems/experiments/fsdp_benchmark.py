@@ -3,10 +3,10 @@ rank alone, in the same run.
 
 Run under the launcher (which records a `skipped` row where the machine lacks the GPUs); rank 0 writes one row
 per (variant, rank):
-    python -m cs336_systems.launch --nproc 2 --backend nccl --out X.csv --also T.csv -- \\
+    python -m cs336_systems.parallel.launch --nproc 2 --backend nccl --out X.csv --also T.csv -- \\
         cs336_systems.experiments.fsdp_benchmark --size 2.7B --batch-size 2 --context-length 2048 --attention sdpa \\
         --compute-dtype bf16 --trace-dir TRACES --timeline-out T.csv
-Variants (cs336_systems.fsdp_benchmarking): `ours`, `ours_exact` (ours in exact mode: bit-equal to one process's
+Variants (cs336_systems.bench.fsdp_variants): `ours`, `ours_exact` (ours in exact mode: bit-equal to one process's
 training, what that costs), `fsdp2` (fully_shard per block and root, the same precision policy and prefetch
 distance), `ddp` (our bucketed DDP) and `single` (rank 0 alone, the floor). Per variant a
 fresh model, `--warmup` steps, then `--steps` timed steps (workload.TrainingStep, AdamW, `--batch-size`
@@ -26,16 +26,15 @@ import argparse
 from functools import partial
 from pathlib import Path
 
-from cs336_systems import cli, workload
-from cs336_systems.distributed import distributed
-from cs336_systems.distributed_benchmarking import (
+from cs336_systems import cli
+from cs336_systems.bench.data_parallel import (
     add_distributed_model_args,
     gather_measurements,
     log_median,
     setting_columns,
     write_results,
 )
-from cs336_systems.fsdp_benchmarking import (
+from cs336_systems.bench.fsdp_variants import (
     COMPUTE_DTYPES,
     TRACED,
     VARIANTS,
@@ -44,6 +43,8 @@ from cs336_systems.fsdp_benchmarking import (
     measure,
     timeline_rows,
 )
+from cs336_systems.parallel.distributed import distributed
+from cs336_systems.training import workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -20,11 +20,13 @@ from pathlib import Path
 
 import torch
 
-from cs336_systems import cli, cuda_memory, workload
-from cs336_systems.benchmarking import resolve_device, rows_or_oom, time_steps
-from cs336_systems.cuda_memory import MIB
-from cs336_systems.model import ModelConfig
-from cs336_systems.provenance import write_rows
+from cs336_systems import cli
+from cs336_systems.measure import cuda_memory
+from cs336_systems.measure.cuda_memory import MIB
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.measure.timing import resolve_device, rows_or_oom, time_steps
+from cs336_systems.model.transformer import ModelConfig
+from cs336_systems.training import workload
 
 MODES = ("forward", "train_step")
 LARGEST = "largest_allocation"  # the record of the --allocations-out rows

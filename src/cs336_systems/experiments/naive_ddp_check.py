@@ -1,7 +1,7 @@
 """Correctness check of the DDP wrappers (spec §2.2.2): DDP training equals single-process training.
 
 Run under the launcher; rank 0 writes one row per wrapper:
-    python -m cs336_systems.launch --nproc 2 --backend gloo --out X.csv -- cs336_systems.experiments.naive_ddp_check
+    python -m cs336_systems.parallel.launch --nproc 2 --backend gloo --out X.csv -- cs336_systems.experiments.naive_ddp_check
 Every rank starts the toy model (ADDENDUM's fc1 -> ReLU -> LayerNorm -> fc2) from different weights, wraps it
 (which installs rank 0's), and trains on its shard of a random batch; a single-process replica of rank 0's
 initial model trains on the whole batch. After `--steps` SGD steps each rank compares its parameters with the
@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from cs336_systems import cli
-from cs336_systems.ddp import WRAPPERS, wrap
-from cs336_systems.distributed import BACKENDS, distributed, gather_to_rank0
-from cs336_systems.provenance import write_rows
-from cs336_systems.toy_model import ToyModel
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.model.toy import ToyModel
+from cs336_systems.parallel.ddp import WRAPPERS, wrap
+from cs336_systems.parallel.distributed import BACKENDS, distributed, gather_to_rank0
 
 IN_FEATURES, OUT_FEATURES = 16, 5
 RTOL, ATOL = 1e-5, 1e-6  # float32: only the order of the additions differs from the single-process sum

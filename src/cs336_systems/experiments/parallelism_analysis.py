@@ -1,6 +1,6 @@
 """Parallelism analysis (2026 handout §8): every derived answer, and its device-count bounds on real hardware.
 
-The answers are derived symbolically in cs336_systems.parallelism. Rows, tidy:
+The answers are derived symbolically in cs336_systems.accounting.parallelism. Rows, tidy:
   kind=answer  one per answer: question, quantity, expression (sympy's string), latex, justification
   kind=bound   one per device-count answer x hardware x FFN: the bound's value (devices) at that hardware's
                C (FLOP/s per device) and W (egress bytes/s per device) and that FFN's B (tokens), D, D_FF
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 from cs336_systems import cli
-from cs336_systems import parallelism as p
-from cs336_systems.provenance import write_rows
+from cs336_systems.accounting import parallelism as p
+from cs336_systems.measure.provenance import write_rows
 
 
 def _fields(text: str, names: tuple[str, ...]) -> list[str]:

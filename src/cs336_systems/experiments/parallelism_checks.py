@@ -1,8 +1,8 @@
-"""2026 §8 checked by running it (gloo): the rows of cs336_systems.parallelism_checks on every rank (the ring
+"""2026 §8 checked by running it (gloo): the rows of cs336_systems.bench.strategy_checks on every rank (the ring
 collectives against torch.distributed's, the FFN strategies against the single-device FFN, counted bytes, steps and
 FLOPs against parallelism.py's expressions), gathered on rank 0 with the rank that produced them.
 
-    python -m cs336_systems.launch --nproc 4 --backend gloo --out X.csv -- cs336_systems.experiments.parallelism_checks
+    python -m cs336_systems.parallel.launch --nproc 4 --backend gloo --out X.csv -- cs336_systems.experiments.parallelism_checks
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from cs336_systems import cli
-from cs336_systems.distributed import BACKENDS, distributed, gather_to_rank0
-from cs336_systems.parallelism_checks import FFN_SHAPES, MESHES, ffn_rows, ring_collective_rows
-from cs336_systems.provenance import write_rows
+from cs336_systems.bench.strategy_checks import FFN_SHAPES, MESHES, ffn_rows, ring_collective_rows
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.parallel.distributed import BACKENDS, distributed, gather_to_rank0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,7 @@
 
 For each context length and mode: build the model, run `--warmup` steps outside the profiled window, then
 profile `--steps` steps (CPU + CUDA activity) while timing each with the Python timer. One CSV of rows by
-`record` (cs336_systems.profiling says what each column holds):
+`record` (cs336_systems.measure.profiling says what each column holds):
   python_timer  the Python timer around the profiled steps (synchronised after each)               (a)
   range         a `record_function` range of the model/workload (forward, backward, optimizer_step,
                 attention, attention/scores, attention/softmax, attention/output, feed_forward)      (a, e)
@@ -23,10 +23,12 @@ from pathlib import Path
 
 import torch
 
-from cs336_systems import cli, profiling, workload
-from cs336_systems.benchmarking import resolve_device, rows_or_oom
-from cs336_systems.model import ModelConfig
-from cs336_systems.provenance import write_rows
+from cs336_systems import cli
+from cs336_systems.measure import profiling
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.measure.timing import resolve_device, rows_or_oom
+from cs336_systems.model.transformer import ModelConfig
+from cs336_systems.training import workload
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

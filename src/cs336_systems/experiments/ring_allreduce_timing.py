@@ -1,9 +1,9 @@
 """The two all-reduce algorithms of 2026 §8.1, timed: the ring all-reduce (reduce-scatter + all-gather) against
 the alternate one (every device sends its whole input at each of N - 1 steps), both on point-to-point messages
-(cs336_systems.ring_collectives), beside the ratio their bandwidth-only times predict (cs336_systems.parallelism:
+(cs336_systems.parallel.ring_collectives), beside the ratio their bandwidth-only times predict (cs336_systems.accounting.parallelism:
 alternate / ring = N / 2).
 
-    python -m cs336_systems.launch --nproc 4 --backend gloo --out X.csv -- \
+    python -m cs336_systems.parallel.launch --nproc 4 --backend gloo --out X.csv -- \
         cs336_systems.experiments.ring_allreduce_timing --sizes-mb 0.01 1 16
 
 Every timed iteration starts from a barrier; its time is the slowest rank's. Rows (rank 0), one per size and
@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems import cli
-from cs336_systems import parallelism as p
-from cs336_systems.distributed import BACKENDS, distributed
-from cs336_systems.distributed_benchmarking import time_collective
-from cs336_systems.provenance import write_rows
-from cs336_systems.ring_collectives import alternate_all_reduce, ring_all_reduce
+from cs336_systems.accounting import parallelism as p
+from cs336_systems.bench.data_parallel import time_collective
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.parallel.distributed import BACKENDS, distributed
+from cs336_systems.parallel.ring_collectives import alternate_all_reduce, ring_all_reduce
 
 ALGORITHMS = {"ring": ring_all_reduce, "alternate": alternate_all_reduce}
 BYTES_PER_MB = 2**20

@@ -2,7 +2,7 @@
 
 Run under the launcher (which records a `skipped` row where the machine lacks the GPUs); rank 0 writes every
 rank's rows:
-    python -m cs336_systems.launch --nproc 2 --backend nccl --out X.csv -- \
+    python -m cs336_systems.parallel.launch --nproc 2 --backend nccl --out X.csv -- \
         cs336_systems.experiments.sharding_benchmark --size xl --batch-size 2 --context-length 512
 Variants: `unsharded` (torch.optim.AdamW), `sharded` (our ShardedOptimizer over AdamW) and `zero` (PyTorch's
 ZeroRedundancyOptimizer over AdamW); FlatDDP averages the gradients (one flat all-reduce). An iteration is the
@@ -27,11 +27,8 @@ from functools import partial
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from cs336_systems import cli, workload
-from cs336_systems.benchmarking import free_memory, time_phases
-from cs336_systems.ddp import FlatDDP
-from cs336_systems.distributed import DistContext, distributed
-from cs336_systems.distributed_benchmarking import (
+from cs336_systems import cli
+from cs336_systems.bench.data_parallel import (
     PhaseMemory,
     add_distributed_model_args,
     gather_measurements,
@@ -40,9 +37,13 @@ from cs336_systems.distributed_benchmarking import (
     setting_columns,
     sharding_rows,
 )
-from cs336_systems.model import TransformerLM
-from cs336_systems.provenance import write_rows
-from cs336_systems.sharded_optimizer import ShardedOptimizer
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.measure.timing import free_memory, time_phases
+from cs336_systems.model.transformer import TransformerLM
+from cs336_systems.parallel.ddp import FlatDDP
+from cs336_systems.parallel.distributed import DistContext, distributed
+from cs336_systems.parallel.sharded_optimizer import ShardedOptimizer
+from cs336_systems.training import workload
 
 VARIANTS = ("unsharded", "sharded", "zero")
 

@@ -5,7 +5,7 @@
 
 Defaults are the leaderboard's model (d_model 4096, d_ff 11,008, 32 heads, vocabulary 151,936, context 32,768) in
 bf16; `--num-layers` sets the depths measured (the leaderboard has 34). Per (stack, depth) one row: a fresh model
-(cs336_systems.train_step_benchmarking), `triton.testing.do_bench` of the whole step on CUDA (median, after
+(cs336_systems.training.stacks), `triton.testing.do_bench` of the whole step on CUDA (median, after
 `--warmup-ms`, over `--rep-ms`; wall-clock median of `--steps` steps on the CPU), the allocator's peak, model
 TFLOP and MFU; an out-of-memory cell is an `OOM` row. Then per stack measured at two depths or more, a `fit` row:
 per-layer time = the least-squares slope of step time over depth, and the extrapolation to
@@ -19,7 +19,7 @@ train_step_benchmarking.COMPONENTS).
 
 The sharded stacks (`*_fsdp`) run under the launcher, one rank per GPU, each rank on its own `--batch-size`
 sequences (the leaderboard: 2 GPUs x 1 sequence):
-    python -m cs336_systems.launch --nproc 2 --backend nccl --out X.csv -- \
+    python -m cs336_systems.parallel.launch --nproc 2 --backend nccl --out X.csv -- \
         cs336_systems.experiments.train_step_benchmark --num-layers 34 --stacks native_fsdp ours_fsdp
 There `do_bench` (whose step count depends on each rank's own estimate) would let the ranks run different
 numbers of collectives, so every rank runs `--warmup-steps` then `--steps` steps, synchronised after each; a
@@ -53,12 +53,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cs336_systems import cli, triton_interpreter
-from cs336_systems.benchmarking import or_oom, resolve_device, sync, time_steps
-from cs336_systems.distributed import BACKENDS, distributed
-from cs336_systems.fsdp import FullyShardedDataParallel
-from cs336_systems.provenance import write_rows
-from cs336_systems.train_step_benchmarking import (
+from cs336_systems import cli
+from cs336_systems.kernels import triton_interpreter
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.measure.timing import or_oom, resolve_device, sync, time_steps
+from cs336_systems.parallel.distributed import BACKENDS, distributed
+from cs336_systems.parallel.fsdp import FullyShardedDataParallel
+from cs336_systems.training.stacks import (
     DTYPES,
     LEADERBOARD,
     STACKS,
@@ -103,7 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stacks and --num-layers list each value once")
     sharded = [s for s in args.stacks if STACKS[s].sharding != "none"]
     if sharded and "WORLD_SIZE" not in os.environ:
-        p.error(f"--stacks {' '.join(sharded)} shard over ranks: run under python -m cs336_systems.launch --nproc N")
+        p.error(f"--stacks {' '.join(sharded)} shard over ranks: run under python -m cs336_systems.parallel.launch --nproc N")
     if len(sharded) < len(args.stacks) and "WORLD_SIZE" in os.environ:
         p.error(f"--stacks {' '.join(s for s in args.stacks if s not in sharded)} run on one GPU: do not launch "
                 "them on several ranks (or list only *_fsdp stacks)")

@@ -4,7 +4,7 @@
         --out results/gpu/train_step_check/check.csv
 
 On a small model (odd vocabulary and context, so our kernels' ragged tiles run), every stack starts from the same
-weights and batch (cs336_systems.train_step_benchmarking.TrainStep, one seed) and takes `--steps` AdamW steps in
+weights and batch (cs336_systems.training.stacks.TrainStep, one seed) and takes `--steps` AdamW steps in
 `--dtype`. The reference is the plain model in float32 (TF32 off). Per stack and quantity, one row:
 - `loss`, `gradients`: the first step's loss and all gradients (concatenated), relative error
   ‖x − ref‖ / ‖ref‖ against the reference;
@@ -21,10 +21,11 @@ import argparse
 
 import torch
 
-from cs336_systems import cli, triton_interpreter
-from cs336_systems.benchmarking import resolve_device
-from cs336_systems.provenance import write_rows
-from cs336_systems.train_step_benchmarking import DTYPES, STACKS, Stack, TrainStep
+from cs336_systems import cli
+from cs336_systems.kernels import triton_interpreter
+from cs336_systems.measure.provenance import write_rows
+from cs336_systems.measure.timing import resolve_device
+from cs336_systems.training.stacks import DTYPES, STACKS, Stack, TrainStep
 
 ONE_DEVICE = [s for s, stack in STACKS.items() if stack.sharding == "none"]
 

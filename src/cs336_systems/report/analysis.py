@@ -180,7 +180,7 @@ def log_slope(x: pd.Series, y: pd.Series) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Activation checkpointing (2026 §3.2): measured policies beside the residual model of cs336_systems.checkpointing
+# Activation checkpointing (2026 §3.2): measured policies beside the residual model of cs336_systems.model.checkpointing
 
 MIB_BYTES = 2**20
 
@@ -195,8 +195,7 @@ def checkpointing_cells(cells: pd.DataFrame, block: pd.Series) -> pd.DataFrame:
     """The cells of one (depth, autocast), in policy order, with `k` (every:K, else NaN), `saved_mib`, and the
     residual model's `predicted_mib` (activations and block gradients at the backward's peak, from the block's
     measured R, c, w; NaN for selective, which the model leaves out) and `forward_evaluations`."""
-    from cs336_systems import checkpointing
-
+    from cs336_systems.model import checkpointing
     n = int(block["num_layers"])
     sizes = [block[key] for key in ("residual_bytes", "checkpoint_bytes", "grad_bytes_per_block")]
     out = cells.assign(order=cells["policy"].map(checkpoint_policy_key)).sort_values("order").drop(columns="order")
@@ -243,8 +242,7 @@ def analytic_optimum(block: pd.Series) -> dict[str, float]:
     """K* of the residual model (the smallest predicted peak, activations and block gradients) and its predicted
     peak in MiB; also the K of the pure activation model (no gradients) and sqrt(N c / R), its continuous
     approximation."""
-    from cs336_systems import checkpointing
-
+    from cs336_systems.model import checkpointing
     n = int(block["num_layers"])
     r, c, w = (float(block[key]) for key in ("residual_bytes", "checkpoint_bytes", "grad_bytes_per_block"))
     k = checkpointing.optimal_k(n, r, c, w)
@@ -265,8 +263,7 @@ def ratio_of(cells: pd.DataFrame, policy: str, other: str, value: str) -> float 
 def nested_asymptotics(depths: list[int], block: pd.Series) -> pd.DataFrame:
     """Per depth N, the residual model's peak activation memory (no gradients: §3.2 a) of none, every:1 and
     nested, the checkpoints nested holds at its peak, and the block forwards (compute) of every:1 and nested."""
-    from cs336_systems import checkpointing
-
+    from cs336_systems.model import checkpointing
     r, c = float(block["residual_bytes"]), float(block["checkpoint_bytes"])
     rows = []
     for n in depths:

@@ -13,8 +13,8 @@ matplotlib.use("Agg")  # headless: figures are files
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from cs336_systems.model import ModelConfig  # noqa: E402
-from cs336_systems.provenance import read_rows  # noqa: E402
+from cs336_systems.measure.provenance import read_rows  # noqa: E402
+from cs336_systems.model.transformer import ModelConfig  # noqa: E402
 from cs336_systems.report.formatting import not_measured, not_run, provenance_line  # noqa: E402
 
 Found = tuple[pd.DataFrame, list[dict[str, Any]]]
@@ -88,7 +88,7 @@ def model_order(metas: list[dict[str, Any]]) -> list[str]:
 
 def fsdp_units(params: dict[str, Any]) -> tuple[list[int], int]:
     """The sizes of the weights FSDP shards and the number of replicated parameters of the model an experiment's
-    parameters describe (cs336_systems.fsdp_benchmarking.sharded_units)."""
-    from cs336_systems.fsdp_benchmarking import model_units
+    parameters describe (cs336_systems.bench.fsdp_variants.sharded_units)."""
+    from cs336_systems.bench.fsdp_variants import model_units
 
     return model_units(ModelConfig(**{name: params[name] for name in MODEL_FIELDS if name in params}))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.attention_memory import naive_attention_memory
+from cs336_systems.accounting.attention_memory import naive_attention_memory
 from cs336_systems.report.analysis import log_slope, phase_times
 from cs336_systems.report.context import Context
 from cs336_systems.report.formatting import phase_cell, provenance_line
@@ -30,7 +30,7 @@ def render(ctx: Context) -> str:
     passes = eager[eager["status"] == "ok"].groupby(["d", "seq_len", "phase"]).size().max()
     out = [
         provenance_line(metas),
-        f"Single-head causal attention (`cs336_systems.model.naive_attention`), batch {batch}, {dtype}; "
+        f"Single-head causal attention (`cs336_systems.model.transformer.naive_attention`), batch {batch}, {dtype}; "
         f"{eager['warmup'].iloc[0]} warm-up passes, then {passes} timed forward and {passes} timed backward passes "
         "per cell, synchronising after each. Memory is allocated memory right before `out.backward(dO)`, minus "
         "what was allocated before the cell (CUDA only).",

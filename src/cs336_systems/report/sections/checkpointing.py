@@ -43,7 +43,7 @@ def render(ctx: Context) -> str:
         "backward (saved-tensor hooks plus selective checkpointing's cached outputs, each storage once). Peak = "
         "`torch.cuda.max_memory_allocated` before the optimizer step (reset per cell); activations = peak − memory "
         "with the gradients freed (weights + AdamW state); predicted = the residual model "
-        "(`cs336_systems.checkpointing.predicted_peak`: R bytes saved per block, checkpoints of c bytes, gradients "
+        "(`cs336_systems.model.checkpointing.predicted_peak`: R bytes saved per block, checkpoints of c bytes, gradients "
         "of w bytes per block appearing as backward runs) from one block's measured R, c and w.",
         "",
     ]

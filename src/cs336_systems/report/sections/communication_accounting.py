@@ -23,7 +23,7 @@ def render(ctx: Context) -> str:
         f"d_model = D = {p['d_model']:,} → d_ff = F = {p['d_ff']:,} → D (no attention, embeddings or output layer); "
         "fp32 master weights, accumulated gradients and AdamW state, bf16 activations and communication; no "
         "activation checkpointing. GB = 10^9 bytes. Every number below is a row of "
-        f"`results/{ctx.run}/communication_accounting/xxl.csv`, computed by `cs336_systems.accounting`; the table "
+        f"`results/{ctx.run}/communication_accounting/xxl.csv`, computed by `cs336_systems.accounting.formulas`; the table "
         "at the end lists each with its formula.",
         "",
         "### (a) One device's worth of state, and the activations",

@@ -9,7 +9,7 @@ import math
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from cs336_systems.accounting import fsdp_memory, values
+from cs336_systems.accounting.formulas import fsdp_memory, values
 from cs336_systems.report.analysis import IN_TIME_MS, fsdp_goals, gather_exposure
 from cs336_systems.report.context import Context, fsdp_units
 from cs336_systems.report.formatting import capitalized, count, not_measured, provenance_line, text_md

@@ -18,13 +18,13 @@ def render(ctx: Context) -> str:
     answers = frame[frame.kind == "answer"]
     lines = [
         provenance_line(metas),
-        "Every answer below is built by `cs336_systems.parallelism` as a sympy expression from the handout's setting "
+        "Every answer below is built by `cs336_systems.accounting.parallelism` as a sympy expression from the handout's setting "
         "(N devices in a ring, each computing at C FLOP/s with W bytes/s of egress; fp16, 2 bytes; one SwiGLU FFN "
         "with x of (B, D), W1 and W2 of (D, D_FF), W3 of (D_FF, D)), simplified, and printed here with the "
         "justification generated beside it. FLOPs and times are per device; the device bounds solve "
         "communication time = compute time for the device count (they overlap). "
-        "`cs336_systems.ring_collectives` runs the §8.1 collectives on point-to-point messages and "
-        "`tests/test_ring_collectives.py` checks their bytes and steps against these formulas on gloo.",
+        "`cs336_systems.parallel.ring_collectives` runs the §8.1 collectives on point-to-point messages and "
+        "`tests/parallel/test_ring_collectives.py` checks their bytes and steps against these formulas on gloo.",
         "",
     ]
     for question, group in answers.groupby("question", sort=False):
@@ -59,7 +59,7 @@ def checks_text(ctx: Context) -> str:
                    f"{r['check']} {r['quantity']} at N = {r['world_size']}" for _, r in failed.head(5).iterrows()))
     return "\n".join([
         provenance_line(metas),
-        "`cs336_systems.parallelism_checks` on every rank (gloo, float64): each ring collective against "
+        "`cs336_systems.bench.strategy_checks` on every rank (gloo, float64): each ring collective against "
         "torch.distributed's own and the FFN under DP, FSDP, TP and 2D FSDP × TP against the single-device FFN "
         "(outputs and gradients, error relative to the reference's largest value, within 1e-12); bytes sent, ring "
         "steps and matmul FLOPs (`FlopCounterMode`) counted during the run against the expressions above (bytes "
@@ -94,7 +94,7 @@ def timing_text(ctx: Context) -> str:
     smallest = table[table["MiB"] == table["MiB"].min()]
     return "\n".join([
         provenance_line(metas),
-        "Both algorithms on `cs336_systems.ring_collectives` (point-to-point send/recv, gloo, one process per "
+        "Both algorithms on `cs336_systems.parallel.ring_collectives` (point-to-point send/recv, gloo, one process per "
         "rank on one machine, messages over loopback); median over iterations of the slowest rank, each iteration "
         "from a barrier.",
         "",

@@ -32,11 +32,11 @@ def render(ctx: Context) -> str:
     return "\n".join([
         provenance_line(metas),
         f"Float32 input of batch {p['batch_size']} × context {p['context_length']} × d_model {int(row['d_model'])} "
-        f"(size {p['size']}, d_ff {int(row['d_ff'])}); the block is ours (`cs336_systems.model.TransformerBlock`) "
+        f"(size {p['size']}, d_ff {int(row['d_ff'])}); the block is ours (`cs336_systems.model.transformer.TransformerBlock`) "
         "with each head count. Every tensor saved for backward is recorded with "
         "`torch.autograd.graph.saved_tensors_hooks`; **counted** MiB count each storage once (a view or a second "
         "save of the same tensor adds nothing; a view costs its whole storage) and leave out parameters and buffers; "
-        "the **analytic** column is the eager count computed from the dimensions (`cs336_systems.residuals`).",
+        "the **analytic** column is the eager count computed from the dimensions (`cs336_systems.measure.saved_tensors`).",
         "",
         "### Totals per configuration (counted MiB)",
         "",

@@ -7,7 +7,7 @@ import math
 
 import pandas as pd
 
-from cs336_systems.accounting import data_parallel_communication, values
+from cs336_systems.accounting.formulas import data_parallel_communication, values
 from cs336_systems.report.context import Context
 from cs336_systems.report.formatting import count, provenance_line, text_md
 

@@ -1,0 +1,162 @@
+"""Timing attention for the FlashAttention-2 benchmarks (spec §1.3.2-1.3.3): the implementations they compare,
+the step `triton.testing.do_bench` times for each pass, the FLOP convention and the rows of a failure.
+
+An implementation is a function of (q, k, v) of shape (..., seq, d) that returns attention, causal unless it was
+built with `causal=False`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cs336_systems import cli
+from cs336_systems.kernels.flash_attention import FlashAttentionTriton
+from cs336_systems.measure.timing import is_oom
+
+Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
+PASSES = ("forward", "backward", "forward_backward")
+# Attention FLOPs: the forward's two matmuls (over the unmasked half where causal); the backward's five are 2.5x.
+FLOP_CONVENTION = (
+    "causal: forward 4*N^2*d*heads/2 (not causal: 4*N^2*d*heads); backward 2.5x forward; forward_backward 3.5x "
+    "forward"
+)
+PASS_FLOP_FACTOR = {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5}
+
+
+def forward_flops(seq_len: int, d_head: int, heads: int, causal: bool = True) -> float:
+    """Per sequence (times the batch for a batch)."""
+    full = 4 * seq_len**2 * d_head * heads
+    return full / 2 if causal else full
+
+
+def naive_attention(seq_len: int, device: torch.device, causal: bool = True) -> Attention:
+    """softmax(Q K^T / sqrt(d) [+ causal mask]) V, materialising the (seq x seq) scores; the mask is built once."""
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1) if causal else None
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+    return attend
+
+
+def batched(attend: Attention) -> Attention:
+    """`attend`, which needs (batch, heads, seq, d), also for (heads, seq, d) inputs: they get a batch of 1."""
+
+    def run(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return attend(q[None], k[None], v[None])[0] if q.dim() == 3 else attend(q, k, v)
+
+    return run
+
+
+def sdpa_attention(backend=None, causal: bool = True) -> Attention:
+    """`scaled_dot_product_attention`, pinned to `backend` (an SDPBackend) or with PyTorch's own choice."""
+    from torch.nn.attention import sdpa_kernel
+
+    def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return batched(attend)
+
+
+def flex_attention(seq_len: int, device: torch.device, causal: bool = True) -> Attention:
+    """FlexAttention with a causal block mask (built once for this length) or none; compiled on the GPU, where
+    `torch.compile` generates its fused kernels (eager FlexAttention materialises the scores)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(
+            lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seq_len, seq_len, device=str(device)
+        )
+    run = torch.compile(flex, dynamic=False) if device.type == "cuda" else flex
+    return batched(lambda q, k, v: run(q, k, v, block_mask=block_mask))
+
+
+def attention(impl: str, seq_len: int, device: torch.device, causal: bool = True) -> Attention:
+    """The implementation named `impl`: `triton` (ours, eager), `triton_compiled` (ours under torch.compile),
+    `pytorch_naive`, `flex` (FlexAttention, compiled on the GPU), `sdpa`, or SDPA pinned to one backend,
+    `sdpa_flash` or `sdpa_cudnn`."""
+    from torch.nn.attention import SDPBackend
+
+    if impl == "triton":
+        return lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal)
+    if impl == "triton_compiled":
+        compiled = torch.compile(FlashAttentionTriton.apply)
+        return lambda q, k, v: compiled(q, k, v, causal)
+    if impl == "pytorch_naive":
+        return naive_attention(seq_len, device, causal)
+    if impl == "flex":
+        return flex_attention(seq_len, device, causal)
+    backends = {
+        "sdpa": None,
+        "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+    }
+    if impl not in backends:
+        raise ValueError(f"unknown attention implementation {impl!r}")
+    return sdpa_attention(backends[impl], causal)
+
+
+def max_abs_diff(attend: Attention, q: Tensor, k: Tensor, v: Tensor, expected: Tensor) -> float:
+    with torch.no_grad():
+        return (attend(q, k, v).float() - expected.float()).abs().max().item()
+
+
+def pass_step(attend: Attention, pass_name: str, q: Tensor, k: Tensor, v: Tensor, do: Tensor | None):
+    """What do_bench times for one pass: the backward is of `o` against the gradient `do`, or of `o.sum()` when
+    `do` is None (the spec's leaderboard test); the timed backward reuses one forward's graph."""
+
+    def loss_and_grad(o: Tensor) -> tuple[Tensor, Tensor | None]:
+        return (o.sum(), None) if do is None else (o, do)
+
+    if pass_name == "forward":
+        return lambda: attend(q, k, v)
+    if pass_name == "backward":
+        loss, grad = loss_and_grad(attend(q, k, v))
+        return lambda: loss.backward(grad, retain_graph=True)
+    if pass_name == "forward_backward":
+
+        def forward_backward() -> None:
+            loss, grad = loss_and_grad(attend(q, k, v))
+            loss.backward(grad)
+
+        return forward_backward
+    raise ValueError(f"pass must be one of {PASSES}, got {pass_name!r}")
+
+
+def add_do_bench_args(p: argparse.ArgumentParser, warmup_ms: int, rep_ms: int, note: str = "") -> None:
+    """`--warmup-ms` and `--rep-ms`, the times do_bench spends per measurement."""
+    p.add_argument(
+        "--warmup-ms", type=cli.nonnegative_int, default=warmup_ms, help=f"do_bench warm-up time{note}"
+    )
+    p.add_argument("--rep-ms", type=cli.positive_int, default=rep_ms, help=f"do_bench measuring time{note}")
+
+
+def failure(exc: BaseException, tag: str) -> dict:
+    """The columns of a measurement that raised (`OOM` or `error`, with the message's first line); logged."""
+    status = "OOM" if is_oom(exc) else "error"
+    message = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+    log(tag, f"  {status}: {message}")
+    return {"ms": None, "status": status, "error": message}
+
+
+def skipped_without_cuda() -> dict:
+    return {"ms": None, "status": "skipped", "reason": "needs CUDA"}
+
+
+def log(tag: str, message: str) -> None:
+    print(f"[{tag}] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,255 @@
+"""The 2026 leaderboard's training step (handout §9): one complete AdamW step of the ~8B Transformer, built by
+one of several stacks so that each piece's worth can be measured.
+
+    zero_grad(set_to_none=True) -> summed cross-entropy of the LM head's logits -> backward -> optimizer.step()
+
+A stack says how the same model is run (`STACKS`):
+- `plain`: our TransformerLM as it is, the spec's naive baseline (materialised attention scores, eager logits);
+- `native`: what PyTorch alone offers: SDPA (its fastest backend), selective checkpointing of every block
+  (`torch.utils.checkpoint`, matmul and attention outputs kept), each checkpointed block `torch.compile`d, the LM
+  head and loss in chunks of tokens whose logits are recomputed in backward (`checkpoint` per chunk),
+  torch.optim.AdamW(fused=True);
+- `ours`: the same with our FlashAttention (Triton), our fused LM head + cross-entropy (Triton,
+  cs336_systems.kernels.fused_cross_entropy) and our AdamW kernel (Triton, cs336_systems.kernels.fused_adamw), and the `ours_*`
+  variants that put one PyTorch piece back, so the writeup shows what each of ours is worth;
+- `ours_fp32_master`: ours with float32 master weights: weights, gradients and AdamW state in float32, the step's
+  forward and backward under autocast to the run's dtype (the matmuls and our kernels in bf16);
+- `*_fsdp`: the stack sharded over the ranks of the process group, each rank training on its own sequences:
+  `native_fsdp` with PyTorch's FSDP2 (`fully_shard` on every block, the head and the root), `ours_fsdp` with our
+  FullyShardedDataParallel (a compiled block, the head and the embedding as units, hooks outside the compiled
+  code; cs336_systems.parallel.fsdp), `plain_fsdp` the naive baseline under ours.
+Weights, gradients and AdamW state are in the run's dtype (bf16 in the leaderboard's config), sharded or not,
+except under `fp32_master`.
+The model runs as a `LossModel` (tokens, targets -> summed loss), whose `head` module holds the LM head and the
+loss, so that a sharding wrapper gathers the head's weight around the loss that uses it.
+
+MFU counts model FLOPs only (recomputation is not counted): per sequence of T tokens,
+6·T·(L·(4d² + 3·d·d_ff) + d·V) + L·6·T²·d, over the GPU's dense bf16 peak (`PEAK_TFLOPS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from cs336_systems.measure.profiling import MATMUL, profile_step
+from cs336_systems.model import checkpointing
+from cs336_systems.model.transformer import ModelConfig, TransformerLM
+from cs336_systems.parallel.fsdp import FullyShardedDataParallel
+
+# The leaderboard's model (handout §9): d_model, d_ff, layers, heads, vocabulary, context.
+LEADERBOARD = {"d_model": 4096, "d_ff": 11_008, "num_layers": 34, "num_heads": 32, "vocab_size": 151_936,
+               "context_length": 32_768}
+HEADS = ("eager", "chunked", "fused")
+# The run's dtypes by name (weights, gradients and AdamW state; a *_fp32_master stack's compute).
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Dense bf16 tensor-core peak (TFLOP/s) by a substring of the device's name; MFU is left out elsewhere.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
+
+
+@dataclass(frozen=True)
+class Stack:
+    attention: str  # ModelConfig.attention
+    head: str  # eager: logits then cross_entropy; chunked: PyTorch, per token chunk; fused: our Triton kernel
+    checkpoint: str  # ModelConfig.checkpoint
+    compile_blocks: bool  # torch.compile each (checkpointed) block
+    optimizer: str  # torch (torch.optim.AdamW's default), torch_fused (its fused=True, on CUDA) or ours (FusedAdamW)
+    sharding: str = "none"  # none, ours (our FSDP) or fsdp2 (PyTorch's fully_shard): over the process group
+    fp32_master: bool = False  # float32 weights, gradients and AdamW state; compute under autocast to the run's dtype
+
+
+STACKS = {
+    "plain": Stack("naive", "eager", "none", compile_blocks=False, optimizer="torch"),
+    "native": Stack("sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused"),
+    "ours": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours"),
+    "ours_sdpa": Stack("sdpa", "fused", "selective", compile_blocks=True, optimizer="ours"),
+    "ours_chunked_head": Stack("flash_triton", "chunked", "selective", compile_blocks=True, optimizer="ours"),
+    "ours_torch_adamw": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="torch_fused"),
+    # no recomputation at all: the bound checkpointing pays against, where the activations fit
+    "ours_no_checkpoint": Stack("flash_triton", "fused", "none", compile_blocks=True, optimizer="ours"),
+    # what mixed precision's usual float32 master weights cost against the leaderboard's all-bf16 state
+    "ours_fp32_master": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours",
+                              fp32_master=True),
+    # sharded over the process group's ranks (the leaderboard's two GPUs)
+    "plain_fsdp": Stack("naive", "eager", "none", compile_blocks=False, optimizer="torch", sharding="ours"),
+    "native_fsdp": Stack("sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused",
+                         sharding="fsdp2"),
+    "ours_fsdp": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours", sharding="ours"),
+    "ours_fsdp_sdpa": Stack("sdpa", "fused", "selective", compile_blocks=True, optimizer="ours", sharding="ours"),
+}
+SHARDINGS = ("none", "ours", "fsdp2")
+
+
+class _CheckpointedBlock(nn.Module):
+    """A block under a selective checkpoint policy, as one module, so torch.compile traces the checkpoint too."""
+
+    def __init__(self, block: nn.Module, policy: str):
+        super().__init__()
+        self.block, self.policy = block, policy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpointing.checkpoint_selectively(self.block, x, self.policy)
+
+
+class LossHead(nn.Module):
+    """The LM head and the summed cross-entropy of its next-token logits, computed as `kind` says (HEADS)."""
+
+    def __init__(self, lm_head: nn.Module, kind: str, chunk: int):
+        super().__init__()
+        self.lm_head, self.kind, self.chunk = lm_head, kind, chunk
+
+    def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        from cs336_systems.kernels.fused_cross_entropy import fused_linear_cross_entropy
+
+        weight = self.lm_head.weight
+        if self.kind == "eager":
+            return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
+        if self.kind == "fused":
+            if torch.is_autocast_enabled(h.device.type):  # autocast does not reach our kernel: cast as it would
+                dtype = torch.get_autocast_dtype(h.device.type)
+                h, weight = h.to(dtype), weight.to(dtype)
+            return fused_linear_cross_entropy(h, weight, targets, chunk=self.chunk, reduction="sum")
+        return sum(checkpoint(_chunk_loss, h[i : i + self.chunk], weight, targets[i : i + self.chunk],
+                              use_reentrant=False) for i in range(0, h.shape[0], self.chunk))
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
+
+
+class LossModel(nn.Module):
+    """(tokens, targets) -> the summed cross-entropy: the TransformerLM's embedding and blocks (`lm`, its final
+    hidden states) and a LossHead (`head`) that holds the LM head, moved out of `lm`."""
+
+    def __init__(self, lm: TransformerLM, head: str, chunk: int):
+        super().__init__()
+        self.head = LossHead(lm.lm_head, head, chunk)
+        lm.lm_head = nn.Identity()  # one owner per weight (sharding wrappers need that); lm.hidden() is all we call
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lm.hidden(tokens).flatten(0, 1), targets.flatten())
+
+
+def build_model(stack: Stack, dims: dict, device: torch.device, dtype: torch.dtype, compile_blocks: bool,
+                head_chunk: int) -> LossModel:
+    """The model of `dims` (LEADERBOARD's keys) in `dtype` (float32 under `fp32_master`) on `device` (built there:
+    an 8B model's fp32 initialisation would take minutes on the CPU), its blocks run as the stack says."""
+    selective = stack.checkpoint in checkpointing.SELECTIVE and compile_blocks
+    cfg = ModelConfig(**dims, attention=stack.attention, checkpoint="none" if selective else stack.checkpoint)
+    with torch.device(device):
+        lm = TransformerLM(cfg).to(dtype=torch.float32 if stack.fp32_master else dtype)
+    if compile_blocks:
+        blocks = [_CheckpointedBlock(b, stack.checkpoint) if selective else b for b in lm.blocks]
+        lm.blocks = nn.ModuleList(torch.compile(b) for b in blocks)
+    return LossModel(lm, stack.head, head_chunk)
+
+
+def shard(model: LossModel, sharding: str) -> nn.Module:
+    """The model sharded over the process group's ranks as `sharding` says (SHARDINGS); `none` returns it."""
+    if sharding == "none":
+        return model
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"sharding {sharding!r} needs a process group: run under cs336_systems.parallel.launch")
+    units = [*model.lm.blocks, model.head]
+    if sharding == "ours":
+        return FullyShardedDataParallel(model, units=units)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+class TrainStep:
+    """The spec's train_step for one stack on a fixed batch of random tokens (`batch_size` sequences on this
+    rank; under a sharded stack each rank draws its own): `step()` runs it once."""
+
+    def __init__(self, stack: Stack, dims: dict, batch_size: int, device: torch.device, dtype: torch.dtype,
+                 compile_blocks: bool = True, head_chunk: int = 8192, seed: int = 0):
+        torch.manual_seed(seed)
+        self.stack = stack
+        self.model = shard(build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks,
+                                       head_chunk), stack.sharding)
+        if stack.optimizer == "ours":  # imported here: it imports triton, which must not come before the CLI's mode
+            from cs336_systems.kernels.fused_adamw import FusedAdamW
+
+            self.optimizer = FusedAdamW(self.model.parameters(), lr=1e-4)
+        else:
+            fused = stack.optimizer == "torch_fused" and device.type == "cuda"
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused or None)
+        rank = dist.get_rank() if stack.sharding != "none" else 0
+        g = torch.Generator(device="cpu").manual_seed(seed + rank)
+        ids = torch.randint(dims["vocab_size"], (batch_size, dims["context_length"] + 1), generator=g).to(device)
+        self.tokens, self.targets = ids[:, :-1], ids[:, 1:]
+        # Under fp32_master the forward (and so the backward) computes in the run's dtype.
+        mixed = stack.fp32_master and dtype != torch.float32
+        self.autocast = torch.autocast(device.type, dtype=dtype) if mixed else contextlib.nullcontext()
+
+    def loss(self) -> torch.Tensor:
+        with self.autocast:
+            return self.model(self.tokens, self.targets)
+
+    def sync_gradients(self) -> None:
+        """Our FSDP's reductions finish here (FSDP2's inside backward); then each shard holds the average over
+        ranks of its gradient."""
+        if isinstance(self.model, FullyShardedDataParallel):
+            self.model.finish_gradient_synchronization()
+
+    def step(self) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss()
+        loss.backward()
+        self.sync_gradients()
+        self.optimizer.step()
+        return loss.detach()
+
+
+def model_flops(dims: dict, num_layers: int, tokens_per_sequence: int, sequences: int) -> float:
+    """Model FLOPs of one training step (forward and backward, no recomputation), the handout's convention."""
+    d, d_ff, vocab, t = dims["d_model"], dims["d_ff"], dims["vocab_size"], tokens_per_sequence
+    per_sequence = 6 * t * (num_layers * (4 * d * d + 3 * d * d_ff) + d * vocab) + num_layers * 6 * t * t * d
+    return float(per_sequence * sequences)
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
+
+
+# Where a kernel's time goes, by the first pattern its name matches (CUDA kernels; aten ops on the CPU):
+# attention (ours, cuDNN's, FlashAttention's), the loss's kernels, the optimizer's, matmuls, and the rest
+# (norms, activations, RoPE, casts: mostly torch.compile's fused kernels).
+COMPONENTS = (
+    ("attention", re.compile(r"flash|fmha|sdpa|attention", re.IGNORECASE)),
+    ("head + loss", re.compile(r"cross_entropy|softmax|nll_loss", re.IGNORECASE)),
+    ("optimizer", re.compile(r"multi_tensor|adam|_foreach_", re.IGNORECASE)),
+    ("matmul", MATMUL),
+)
+OTHER = "elementwise and other"
+
+
+def component_of(kernel: str) -> str:
+    return next((name for name, pattern in COMPONENTS if pattern.search(kernel)), OTHER)
+
+
+def component_times(train: TrainStep, device: torch.device) -> dict[str, float]:
+    """Milliseconds of one profiled step (after one untimed) per component (COMPONENTS), on the device's clock."""
+    rows = profile_step(train.step, warmup=1, steps=1, device=device)
+    times = dict.fromkeys([*(name for name, _ in COMPONENTS), OTHER], 0.0)
+    for row in rows:
+        if row.get("record") == "kernel":
+            times[component_of(row["name"])] += row["time_ms_per_step"]
+    return times
+

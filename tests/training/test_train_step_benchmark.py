@@ -1,0 +1,254 @@
+"""The leaderboard's training step (cs336_systems.training.stacks): every stack trains the same model to
+the same result as the plain one, and the CLI writes its cells and the per-layer fit. On the CPU in float32, with
+our Triton kernels in the interpreter (set before anything imports triton; a fresh process where it came too
+late, as in tests/kernels/test_fused_cross_entropy.py)."""
+
+import os
+import sys
+
+TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+os.environ["TRITON_INTERPRET"] = "1"
+
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import subprocess  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cs336_systems.experiments import train_step_benchmark, train_step_check  # noqa: E402
+from cs336_systems.training.stacks import STACKS, TrainStep, model_flops  # noqa: E402
+
+launches_kernels = pytest.mark.skipif(
+    TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
+)
+# Odd vocabulary and context, d_head 16 (our FlashAttention's smallest).
+DIMS = {"d_model": 64, "d_ff": 96, "num_layers": 2, "num_heads": 4, "vocab_size": 97, "context_length": 19}
+
+
+def one_step(stack: str) -> tuple[float, dict, dict]:
+    """Loss, gradients and updated weights of one step from the same weights and batch (batch 2, float32)."""
+    train = TrainStep(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=False,
+                      head_chunk=16)
+    train.optimizer.zero_grad(set_to_none=True)
+    loss = train.loss()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in train.model.named_parameters()}
+    train.optimizer.step()
+    return loss.item(), grads, {n: p.detach().clone() for n, p in train.model.named_parameters()}
+
+
+@launches_kernels
+@pytest.mark.parametrize("stack", [s for s in STACKS if s != "plain" and STACKS[s].sharding == "none"])
+def test_every_stack_trains_as_the_plain_model(stack: str):
+    loss, grads, weights = one_step("plain")
+    their_loss, their_grads, their_weights = one_step(stack)
+    # float32 throughout; what differs is the order of the sums (flash's online softmax, chunked and fused heads,
+    # recomputed activations), so the results agree to float32 rounding, not bitwise.
+    assert their_loss == pytest.approx(loss, rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(their_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(their_weights[name], weights[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(("stack", "compiled"), [("plain_fsdp", False), ("native_fsdp", False),
+                                                ("ours_fsdp", False), ("ours_fsdp", True)])
+def test_sharded_stacks_train_as_the_unsharded_ones(stack: str, compiled: bool):
+    """Two ranks (gloo), each on its own sequence, against the same stack unsharded on both sequences
+    (tests/workers/train_step_worker.py): summed loss and updated full weights. Compiled: our FSDP's hooks stay outside
+    the compiled blocks, the units."""
+    worker = Path(__file__).parents[1].joinpath("workers", "train_step_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker),
+               stack, *(["--compile"] if compiled else [])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK on 2 ranks" in result.stdout
+
+
+@launches_kernels
+def test_twenty_steps_give_the_plain_models_loss_curve():
+    """Training, not one step: 20 AdamW steps on a fixed batch (the loss falls) by each of the main stacks."""
+    curves = {}
+    for stack in ("plain", "native", "ours"):
+        train = TrainStep(STACKS[stack], {**DIMS, "num_layers": 1}, 2, torch.device("cpu"), torch.float32,
+                          compile_blocks=False, head_chunk=16)
+        curves[stack] = torch.stack([train.step() for _ in range(20)])
+    assert curves["plain"][-1] < 0.95 * curves["plain"][0]  # lr 1e-4: it learns, slowly
+    for stack in ("native", "ours"):
+        torch.testing.assert_close(curves[stack], curves["plain"], rtol=1e-4, atol=0, msg=stack)
+
+
+@launches_kernels
+@pytest.mark.parametrize("stack", ["native", "ours"])
+def test_compiled_checkpointed_blocks_compute_what_eager_ones_do(stack: str):
+    """torch.compile traces each block with its selective checkpoint (`_CheckpointedBlock`)."""
+    steps = [TrainStep(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=compiled,
+                       head_chunk=16) for compiled in (True, False)]
+    losses = []
+    for train in steps:
+        losses.append(train.loss())
+        losses[-1].backward()
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-6)
+    for (name, p), q in zip(steps[1].model.named_parameters(), steps[0].model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@launches_kernels
+def test_float32_master_weights_keep_the_updates_bf16_weights_lose():
+    """ours_fp32_master in a bf16 run: float32 weights, gradients and AdamW state, the loss of the float32 model up to
+    bf16 compute, and every weight moved by a step, where the bf16 norm weights of ours (all 1.0, spacing 2^-7
+    there) lose their update of about the learning rate."""
+    fp32_loss = one_step("plain")[0]
+    moved = {}
+    for stack in ("ours", "ours_fp32_master"):
+        train = TrainStep(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.bfloat16, compile_blocks=False,
+                          head_chunk=16)
+        before = {n: p.detach().clone() for n, p in train.model.named_parameters()}
+        loss = train.step()
+        moved[stack] = {n: (p.detach() != before[n]).float().mean().item()
+                        for n, p in train.model.named_parameters()}
+        if stack == "ours_fp32_master":
+            assert {p.dtype for p in train.model.parameters()} == {torch.float32}
+            assert {p.grad.dtype for p in train.model.parameters()} == {torch.float32}
+            assert loss.item() == pytest.approx(fp32_loss, rel=2e-3)
+    norms = [n for n in moved["ours"] if "norm" in n]
+    assert norms and all(moved["ours"][n] == 0 for n in norms)
+    assert all(fraction == 1 for fraction in moved["ours_fp32_master"].values())
+
+
+def test_model_flops_is_the_handouts_formula():
+    dims = {"d_model": 4096, "d_ff": 11_008, "vocab_size": 151_936}
+    per_layer = 6 * 32_768 * (4 * 4096**2 + 3 * 4096 * 11_008) + 6 * 32_768**2 * 4096
+    head = 6 * 32_768 * 4096 * 151_936
+    assert model_flops(dims, 34, 32_768, 1) == 34 * per_layer + head
+    assert model_flops(dims, 34, 32_768, 1) == pytest.approx(2.37e15, rel=5e-3)  # the issue's 2.37 PFLOP
+    assert model_flops(dims, 2, 32_768, 2) == 2 * model_flops(dims, 2, 32_768, 1)
+
+
+@launches_kernels
+def test_cli_writes_cells_and_the_per_layer_fit(tmp_path: Path):
+    out = tmp_path / "steps.csv"
+    train_step_benchmark.main([
+        "--out", str(out), "--d-model", "32", "--d-ff", "48", "--num-heads", "2", "--vocab-size", "61",
+        "--context-length", "16", "--num-layers", "1", "2", "--batch-size", "2", "--stacks", "plain", "ours",
+        "--dtype", "float32", "--no-compile", "--steps", "1", "--extrapolate-layers", "34",
+    ])
+    rows = pd.read_csv(out)
+    cells, fits = rows[rows["kind"] == "cell"], rows[rows["kind"] == "fit"].set_index("stack")
+    assert len(cells) == 4 and (cells["status"] == "ok").all() and (cells["step_ms"] > 0).all()
+    assert (cells["weights"] == "float32").all()
+    assert (cells["updated_fraction"] == 1).all()  # float32 weights keep every update, weight decay's too
+    # float32 weights and gradients of the same size, AdamW's two moments twice that (and our kernel's step counts
+    # are Python numbers); the deeper model holds more
+    assert (cells["gradients_mib"] == cells["weights_mib"]).all()
+    assert ((cells["optimizer_state_mib"] - 2 * cells["weights_mib"]).abs() < 1e-3).all()
+    assert cells.set_index(["stack", "num_layers"])["weights_mib"].loc[("ours", 2)] > cells.set_index(
+        ["stack", "num_layers"])["weights_mib"].loc[("ours", 1)]
+    for stack, ran in cells.groupby("stack"):
+        two, one = ran.set_index("num_layers")["step_ms"].loc[[2, 1]]
+        assert fits.loc[stack, "per_layer_ms"] == pytest.approx(two - one)
+        assert fits.loc[stack, "step_ms"] == pytest.approx(one + 33 * (two - one))
+        assert fits.loc[stack, "status"] == "extrapolated" and "34 layers" in fits.loc[stack, "reason"]
+
+
+@launches_kernels
+def test_cli_clocks_each_cell_from_empty_caches(tmp_path: Path, monkeypatch):
+    """--cold-cache: Inductor and Triton write into a new folder, gone after the run (torch's fresh_cache), and
+    every cell says how long its build, first step and the run up to its timing's end took."""
+    import torch._inductor.utils
+
+    seen = []
+    fresh_cache = torch._inductor.utils.fresh_cache
+
+    def watched_fresh_cache():
+        with fresh_cache():
+            seen.append(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+            assert os.listdir(seen[-1]) == []  # empty when the run starts
+            yield
+
+    monkeypatch.setattr(torch._inductor.utils, "fresh_cache", contextlib.contextmanager(watched_fresh_cache))
+    out = tmp_path / "cold.csv"
+    train_step_benchmark.main([
+        "--out", str(out), "--d-model", "32", "--d-ff", "48", "--num-heads", "2", "--vocab-size", "61",
+        "--context-length", "16", "--num-layers", "1", "2", "--batch-size", "2", "--stacks", "ours",
+        "--dtype", "float32", "--no-compile", "--steps", "1", "--cold-cache", "--device", "cpu",
+    ])
+    assert len(seen) == 1 and not os.path.exists(seen[0])
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != seen[0]
+    rows = pd.read_csv(out)
+    cells = rows[rows["kind"] == "cell"].set_index("num_layers")
+    assert (cells[["build_s", "first_step_s"]] > 0).all().all()
+    # the run's clock keeps going from cell to cell, past each one's build and first step
+    assert cells.loc[2, "elapsed_s"] > cells.loc[1, "elapsed_s"] + cells.loc[2, "build_s"] + cells.loc[2, "first_step_s"]
+    assert rows.loc[rows["kind"] == "fit", ["build_s", "first_step_s", "elapsed_s"]].isna().all().all()
+
+
+def test_components_split_a_profiled_step(tmp_path: Path):
+    out = tmp_path / "parts.csv"
+    train_step_benchmark.main([
+        "--out", str(out), "--d-model", "32", "--d-ff", "48", "--num-heads", "2", "--vocab-size", "61",
+        "--context-length", "16", "--num-layers", "2", "--batch-size", "2", "--stacks", "native", "--dtype",
+        "float32", "--no-compile", "--steps", "1", "--components", "--device", "cpu",
+    ])
+    rows = pd.read_csv(out)
+    parts = rows[rows["kind"] == "component"].set_index("component")["component_ms"]
+    assert set(parts.index) == {"attention", "head + loss", "optimizer", "matmul", "elementwise and other"}
+    # (the CPU's AdamW runs per-tensor aten ops, mul_ and the like, which count as "other" here)
+    assert (parts[["attention", "head + loss", "matmul", "elementwise and other"]] > 0).all(), parts
+
+
+def test_kernels_are_sorted_into_components():
+    from cs336_systems.training.stacks import component_of
+
+    assert component_of("flash_bwd_dkdv_kernel") == "attention"
+    assert component_of("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention"
+    assert component_of("_cross_entropy_rows_kernel") == "head + loss"
+    assert component_of("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert component_of("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT") == "matmul"
+    assert component_of("triton_poi_fused_mul_silu_0") == "elementwise and other"
+
+
+def test_bad_dimensions_are_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture):
+    with pytest.raises(SystemExit):
+        train_step_benchmark.main(["--out", str(tmp_path / "x.csv"), "--d-model", "30", "--num-heads", "4",
+                                   "--num-layers", "1"])
+    assert "--d-model 30 must split into --num-heads 4 heads" in capsys.readouterr().err
+
+
+@launches_kernels
+def test_check_cli_passes_correct_stacks_and_fails_a_wrong_one(tmp_path: Path, monkeypatch):
+    """train_step_check on the CPU in float32: native and ours pass every check against the float32 plain model;
+    a stack whose optimizer steps ten times too far passes the loss and gradients and fails the weights."""
+    args = ["--d-model", "64", "--d-ff", "96", "--num-heads", "4", "--vocab-size", "97", "--context-length", "19",
+            "--steps", "3", "--dtype", "float32", "--no-compile", "--device", "cpu"]
+    train_step_check.main([*args, "--stacks", "native", "ours", "--out", str(tmp_path / "ok.csv")])
+    rows = pd.read_csv(tmp_path / "ok.csv")
+    assert set(rows["quantity"]) == {"loss", "gradients", "weights", "loss_curve"} and len(rows) == 8
+    assert rows["passed"].all() and (rows["yardstick"] == 0).all() and (rows["error"] < 1e-5).all()
+
+    broken = dataclasses.replace(STACKS["ours"])
+    monkeypatch.setitem(train_step_check.STACKS, "ours", broken)
+    original = TrainStep.__init__
+
+    def far_step(self, stack, *a, **k):
+        original(self, stack, *a, **k)
+        if stack is broken:
+            for group in self.optimizer.param_groups:
+                group["lr"] *= 10
+
+    monkeypatch.setattr(TrainStep, "__init__", far_step)
+    train_step_check.main([*args, "--stacks", "ours", "--out", str(tmp_path / "bad.csv")])
+    passed = pd.read_csv(tmp_path / "bad.csv").set_index("quantity")["passed"]
+    assert passed["loss"] and passed["gradients"] and not passed["weights"] and not passed["loss_curve"]
+
+
+@pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the kernel tests ran in this process")
+def test_kernel_tests_in_fresh_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not fresh_process"],
+        env=env, capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]

@@ -1,0 +1,123 @@
+"""The CPU smoke run of the whole pipeline, end to end, in a throw-away copy of the repository.
+
+The smoke run happens once per test session (`completed_smoke_run`); test modules that change files work on
+their own copy of it (`copy_of_smoke_run`)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ..pipeline import copy_pipeline, snakemake
+
+_SMOKE: dict[str, Path | subprocess.CompletedProcess] = {}
+
+
+def completed_smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The repository copy in which `snakemake report/writeup.md --config run=cpu` has completed (run once)."""
+    if "result" not in _SMOKE:
+        workdir = copy_pipeline(tmp_path_factory.mktemp("smoke"))
+        _SMOKE["result"] = snakemake(workdir, "report/writeup.md", "--config", "run=cpu", timeout=1500)
+        _SMOKE["workdir"] = workdir
+    result = _SMOKE["result"]
+    assert result.returncode == 0, result.stderr[-5000:]
+    return _SMOKE["workdir"]
+
+
+def copy_of_smoke_run(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A private copy of the completed smoke run, with Snakemake's metadata and every file's mtime, so that
+    Snakemake sees the same up-to-date state there."""
+    dest = tmp_path_factory.mktemp(name) / "repo"
+    shutil.copytree(
+        completed_smoke_run(tmp_path_factory), dest, symlinks=True, ignore=shutil.ignore_patterns("locks")
+    )
+    return dest
+
+
+def job_counts(output: str) -> dict[str, int]:
+    """Rule name -> job count from the "Job stats" table that `snakemake` (also -n) prints; {} when none."""
+    match = re.search(r"Job stats:\njob\s+count\n[-\s]+\n(.*?)\ntotal\s+\d+", output, re.S)
+    if not match:
+        return {}
+    return {name: int(count) for name, count in (line.split() for line in match.group(1).splitlines())}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    return completed_smoke_run(tmp_path_factory)
+
+
+def test_writeup_has_every_section_and_its_figures(smoke):
+    writeup = (smoke / "report/writeup.md").read_text()
+    assert writeup == (smoke / "report/cpu/writeup.md").read_text().replace("](figures/", "](cpu/figures/")
+    for heading in (
+        "1.1.3 End-to-end",
+        "1.1.4 Profiling",
+        "1.2.1 PyTorch attention",
+        "1.3.2–1.3.4 FlashAttention-2",
+        "2.1.3 All-reduce",
+        "3 Optimizer state sharding",
+        "7 Fully-sharded data parallel",
+    ):
+        assert f"## {heading}" in writeup
+    figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", writeup)
+    assert figures, "the writeup has no figures"
+    for link in figures:
+        assert (smoke / "report" / link).is_file(), link
+    assert "| tiny" in writeup  # the e2e table
+
+
+def test_second_run_has_nothing_to_do(smoke):
+    result = snakemake(smoke, "report/writeup.md", "--config", "run=cpu")
+    assert result.returncode == 0, result.stderr
+    assert "Nothing to be done" in result.stdout + result.stderr
+
+
+def test_changing_one_size_reruns_only_its_jobs(smoke):
+    sizes = smoke / "src/cs336_systems/model/sizes.py"  # the one table of model sizes
+    original = sizes.read_text()
+    sizes.write_text(original.replace('"tiny": {"d_model": 64,', '"tiny": {"d_model": 96,'))
+    try:
+        dry = snakemake(smoke, "-n", "report/writeup.md", "--config", "run=cpu")
+    finally:
+        sizes.write_text(original)
+    assert dry.returncode == 0, dry.stderr
+    # Every job that builds the tiny model, and nothing that does not (attention, flash, all-reduce, ...).
+    assert set(job_counts(dry.stdout + dry.stderr)) == {
+        "e2e_benchmark",
+        "e2e_warmup_study",
+        "profile_model",
+        "mixed_precision_e2e",
+        "memory_profile",
+        "compile_e2e",
+        "ddp_benchmark",
+        "sharding_benchmark",
+        "fsdp_benchmark",
+        "residuals",
+        "checkpointing_policies",
+        "checkpointing_depths",
+        "writeup",
+    }
+
+
+def test_html_report_has_every_figure_and_table_captioned(smoke):
+    result = snakemake(smoke, "--report", "report/report.html", "--config", "run=cpu")
+    assert result.returncode == 0, result.stderr[-5000:]
+    html = (smoke / "report/report.html").read_text()
+    figures = sorted(p.name for p in (smoke / "report/cpu/figures").glob("*.png"))
+    tables = sorted(str(p.relative_to(smoke)) for p in (smoke / "results/cpu").rglob("*.csv"))
+    assert figures and tables
+    # Self-contained: each file is embedded as a data URI next to its path and caption.
+    for path in [f"report/cpu/figures/{name}" for name in figures] + tables + ["report/cpu/writeup.md"]:
+        assert f'"{path}": {{"name"' in html, path
+    for name in figures:
+        assert f"data:image/png;charset=utf8;filename={name};base64," in html, name
+    # Captions come from rules/report/*.rst, rendered to HTML per file.
+    assert "all-reduce time and bandwidth per tensor size" in html  # figure.rst, for allreduce_cpu.png
+    # e2e.rst, with the job's wildcards filled in and rendered from rst
+    assert 'end-to-end benchmark of the <tt class=\\"docutils literal\\">tiny</tt> model' in html
+    assert html.count('"caption": ""') == 0, "a file of the report has no caption"
