@@ -8,8 +8,7 @@ configfile: "config.yaml"
 
 
 include: "rules/config.smk"
-include: "rules/resources.smk"
-include: "rules/jobs.smk"
+include: "rules/common.smk"
 include: "rules/e2e.smk"
 include: "rules/single_gpu.smk"
 include: "rules/flash.smk"

@@ -2,7 +2,7 @@
 # the overlap timeline), §2.4 communication accounting, §3 optimizer state sharding.
 # Every multi-process job is the one launch pattern below (`use rule launch_ranks as ... with:`): it starts through
 # cs336_systems.parallel.launch, which writes a `skipped` row ("needs N GPUs, found M") where an NCCL job has too few GPUs,
-# so the pipeline completes and the writeup says what did not run; the `gpus_ok` param (rules/resources.smk)
+# so the pipeline completes and the writeup says what did not run; the `gpus_ok` param (rules/common.smk)
 # reruns such a result once the GPUs are there.
 ALLREDUCE = R["allreduce"]
 DDP = R["ddp"]
@@ -22,49 +22,13 @@ DDP_REPORT = dict(caption="report/ddp.rst", category="Results",
                   subcategory="2.2–2.3 Distributed data parallel training")
 
 
-def launched(nproc, backend, csv, also=None, nodes=1):
-    """The params of a job of `nproc` processes on `backend` over `nodes` nodes (values, or functions of the
-    wildcards) whose table is `csv`: `launcher`, the command that starts cs336_systems.parallel.launch (launcher()); `nproc`,
-    the processes per node; `gpus`, what pin_gpus must hold (the `gpu` resource says the same, but Snakemake
-    lowers it to the profile's limit, `--resources gpu=1`, and an NCCL job alone on a 2-GPU box should still get
-    both); `gpus_ok` reruns a result skipped for lack of them; `also` is another output that gets the launcher's
-    skipped row (a pattern of the same wildcards as `csv`)."""
-    per_node = lambda w: int(setting_of(nproc, w)) // int(setting_of(nodes, w))
-    gpus = lambda w: gpus_needed(setting_of(backend, w), per_node(w))
-    return dict(
-        launcher=lambda w: launcher(int(setting_of(nodes, w)), gpus(w)),
-        nproc=per_node,
-        backend=lambda w: setting_of(backend, w),
-        gpus=gpus,
-        gpus_ok=lambda w: gpus_ok(gpus(w), csv.format(**w)),
-        also=(lambda w: f"--also {also.format(**w)}") if also else "",
-    )
-
-
-def launcher(nodes, gpus_per_node):
-    """cs336_systems.parallel.launch on this machine, or on each of `nodes` nodes of a SLURM job: one srun task per node
-    in a job step beside the one Snakemake's jobstep executor runs the rule in (--overlap), with the node's GPUs;
-    the launchers meet at the rendezvous cs336_systems.parallel.launch derives from the job's environment. Outside a SLURM
-    job the command stops at once, saying why."""
-    if nodes == 1:
-        return "python -m cs336_systems.parallel.launch"
-    gpus = f" --gpus-per-node={gpus_per_node}" if gpus_per_node else ""
-    return (f"{{ [ -n \"${{SLURM_JOB_ID:-}}\" ] || {{ echo 'a job on {nodes} nodes runs in a SLURM job "
-            f"(snakemake --profile profiles/slurm)' >&2; exit 1; }}; }}; "
-            f"srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --overlap --kill-on-bad-exit=1{gpus} "
-            f"python -m cs336_systems.parallel.launch --nnodes {nodes}")
-
-
-def rank_threads(nproc, nodes=1):
-    """A CPU thread budget per rank (NEEDS["rank"].threads), for the ranks of one node of `nproc` ranks over
-    `nodes` nodes (each a value or a function of the wildcards)."""
-    return lambda w: int(setting_of(nproc, w)) // int(setting_of(nodes, w)) * NEEDS["rank"].threads
-
-
-# The launch pattern: no output of its own, so it never matches a target. A rule derived from it gives its outputs
-# (`csv` the table), log, params (launched(...) and `cli`: the experiment module with its flags), threads and
-# resources (ranks(...)).
+# The launch pattern: no output of its own, so it never matches a target (nothing asks for its log, a placeholder).
+# A rule derived from it gives its outputs (`csv` the table), log (replacing the placeholder), params (launched(...)
+# and `cli`: the experiment module with its flags), threads (rank_threads(...)) and resources (ranks(...)); those helpers
+# are in rules/common.smk.
 rule launch_ranks:
+    log:
+        f"{RESULTS}/logs/launch_ranks.log",
     conda:
         ENV
     shell:

@@ -17,22 +17,19 @@ FSDP_TIMELINE_CSV = f"{RESULTS}/fsdp_timeline/n{{world_size}}.csv"
 FSDP_REPORT = dict(caption="report/fsdp.rst", category="Results", subcategory="7 Fully-sharded data parallel")
 
 
-def fsdp_nodes(wildcards):
-    return FSDP_NODES[int(wildcards.world_size)]
-
-
-def fsdp_cli(wildcards):
-    """The benchmark's module and flags for the job of one world size (its batch size, if it names one)."""
-    job = FSDP_JOBS[int(wildcards.world_size)]
-    return (
-        f"cs336_systems.experiments.fsdp_benchmark --size {FSDP['size']} "
-        f"--batch-size {job.get('batch_size', FSDP['batch_size'])} --context-length {FSDP['context_length']} "
-        f"--attention {FSDP['attention']} --variants {listed(job['variants'])} "
-        f"--compute-dtype {FSDP['compute_dtype']} --prefetch-distance {FSDP['prefetch_distance']} "
-        f"--bucket-size-mb {FSDP['bucket_size_mb']} --warmup {FSDP['warmup']} --steps {FSDP['steps']} "
-        f"--trace-steps {FSDP['trace_steps']} --trace-dir {RESULTS}/traces/fsdp/n{wildcards.world_size} "
-        f"--timeline-out {FSDP_TIMELINE_CSV.format(world_size=wildcards.world_size)}"
-    )
+# The nodes and the benchmark's module and flags of the job of each world size (its batch size, if it names one), as
+# functions of the wildcards.
+fsdp_nodes = per_world_size(FSDP_NODES)
+fsdp_cli = per_world_size({
+    n: f"cs336_systems.experiments.fsdp_benchmark --size {FSDP['size']} "
+       f"--batch-size {job.get('batch_size', FSDP['batch_size'])} --context-length {FSDP['context_length']} "
+       f"--attention {FSDP['attention']} --variants {listed(job['variants'])} "
+       f"--compute-dtype {FSDP['compute_dtype']} --prefetch-distance {FSDP['prefetch_distance']} "
+       f"--bucket-size-mb {FSDP['bucket_size_mb']} --warmup {FSDP['warmup']} --steps {FSDP['steps']} "
+       f"--trace-steps {FSDP['trace_steps']} --trace-dir {RESULTS}/traces/fsdp/n{n} "
+       f"--timeline-out {FSDP_TIMELINE_CSV.format(world_size=n)}"
+    for n, job in FSDP_JOBS.items()
+})
 
 
 use rule launch_ranks as fsdp_benchmark with:

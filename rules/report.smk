@@ -1,14 +1,14 @@
 # The writeup: report/<run>/writeup.md (kept per run) and report/writeup.md (the selected run's, for reading).
 # `snakemake --report report/report.html` collects it, its figures and every tidy table, each with its caption
 # from rules/report/.
-# Every module of the report package (renderer, context, analysis, formatting, sections), relative like all
-# inputs (so a moved checkout stays up to date). The writeup runs anywhere, so editing these re-renders it even
-# where the results are view-only.
-REPORT_PACKAGE = Path(workflow.basedir, "src/cs336_systems")
-REPORT_CODE = code(*sorted(p.relative_to(REPORT_PACKAGE).as_posix()
-                           for p in (REPORT_PACKAGE / "report").rglob("*.py")), view_only=False)
-# The model's parameter count orders the sizes: library code, view-only like the experiments'.
-REPORT_CODE += code("model/transformer.py", "model/sizes.py")
+# The writeup's code: every module of the report package (renderer, context, analysis, formatting, sections) and
+# every module of the package those import, directly or transitively, even inside a function (imported_modules() in
+# rules/common.smk reads the imports from the source). The writeup runs anywhere, so editing the report package
+# re-renders it even where the results are view-only; the library code it imports (the model's parameter count,
+# the FSDP units, the accounting formulas, ...) is view-only like the experiments'.
+REPORT_MODULES = imported_modules(Path(workflow.basedir, "src/cs336_systems"), "report")
+REPORT_CODE = code(*(m for m in REPORT_MODULES if m.startswith("report/")), view_only=False)
+REPORT_CODE += code(*(m for m in REPORT_MODULES if not m.startswith("report/")))
 
 
 rule writeup:

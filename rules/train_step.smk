@@ -5,17 +5,10 @@ TRAIN_STEP = R["train_step"]
 TRAIN_STEP_CSV = f"{RESULTS}/train_step/{{stack}}.csv"
 
 
-def train_step_options(settings=TRAIN_STEP):
-    """The CLI flags of the settings that differ by device (do_bench's times on CUDA, steps elsewhere)."""
-    flags = [f"--{key.replace('_', '-')} {settings[key]}" for key in ("warmup_ms", "rep_ms", "steps")
-             if key in settings]
-    return " ".join(flags + ([] if TRAIN_STEP["compile"] else ["--no-compile"]))
-
-
 # The library code every train_step job runs; each job adds its own CLI.
-TRAIN_STEP_LIBRARY = ("training/stacks.py", "kernels/fused_cross_entropy.py", "kernels/fused_adamw.py", "kernels/flash_attention.py",
+TRAIN_STEP_LIBRARY = ("training/stacks.py", "training/workload.py", "kernels/fused_cross_entropy.py", "kernels/fused_adamw.py", "kernels/flash_attention.py",
                       "kernels/flash_triton.py", "kernels/triton_interpreter.py", "model/checkpointing.py", "model/transformer.py", "measure/profiling.py")
-TRAIN_STEP_CODE = code("experiments/train_step_benchmark.py", *TRAIN_STEP_LIBRARY)
+TRAIN_STEP_CODE = code("experiments/train_step_benchmark.py", "bench/stack_timing.py", *TRAIN_STEP_LIBRARY)
 TRAIN_STEP_DIMS = " ".join(f"--{key.replace('_', '-')} {TRAIN_STEP[key]}" for key in
                            ("d_model", "d_ff", "num_heads", "vocab_size", "context_length", "batch_size"))
 COMPONENTS = TRAIN_STEP["components"]
@@ -35,7 +28,7 @@ rule train_step:
         dims=TRAIN_STEP_DIMS,
         num_layers=listed(TRAIN_STEP["num_layers"]),
         dtype=TRAIN_STEP["dtype"],
-        options=train_step_options(),
+        options=train_step_options(TRAIN_STEP, TRAIN_STEP["compile"]),
         device=R["device"],
         gpus_ok=lambda w: gpus_ok(GPU_JOB, TRAIN_STEP_CSV.format(**w)),
     threads: NEEDS["heavy"].threads
@@ -66,7 +59,7 @@ rule train_step_components:
         num_layers=COMPONENTS["num_layers"],
         stacks=listed(COMPONENTS["stacks"]),
         dtype=TRAIN_STEP["dtype"],
-        options=train_step_options(),
+        options=train_step_options(TRAIN_STEP, TRAIN_STEP["compile"]),
         device=R["device"],
         gpus_ok=lambda w: gpus_ok(GPU_JOB, COMPONENTS_CSV),
     threads: NEEDS["heavy"].threads
@@ -135,7 +128,7 @@ if COLD:
             dims=TRAIN_STEP_DIMS,
             num_layers=COLD["num_layers"],
             dtype=TRAIN_STEP["dtype"],
-            options=train_step_options(COLD) + " --cold-cache",
+            options=train_step_options(COLD, TRAIN_STEP["compile"]) + " --cold-cache",
             device=R["device"],
             gpus_ok=lambda w: gpus_ok(GPU_JOB, COLD_CSV.format(**w)),
         log:

@@ -41,8 +41,8 @@ def test_active_timeline_and_largest_allocations_from_a_snapshot(tmp_path):
     assert timeline == [1000, 1100, 1400, 1300, 1350]
     top = cuda_memory.largest_allocations(SYNTHETIC_SNAPSHOT, top=2)
     assert [r["size_bytes"] for r in top] == [300, 100]
-    assert top[0]["origin"] == "model.py:150 forward"
-    assert top[0]["stack"] == "model.py:150 forward <- workload.py:70 loss"
+    assert top[0]["origin"] == "transformer.py:150 forward"
+    assert top[0]["stack"] == "transformer.py:150 forward <- workload.py:70 loss"
     assert top[1]["origin"] is None
     png = tmp_path / "timeline.png"
     cuda_memory.plot_timeline(timeline, "synthetic", png)

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from cs336_systems.experiments import train_step_benchmark, train_step_check  # noqa: E402
-from cs336_systems.training.stacks import STACKS, TrainStep, model_flops  # noqa: E402
+from cs336_systems.training.stacks import STACKS, build_step, model_flops  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
@@ -30,8 +30,8 @@ DIMS = {"d_model": 64, "d_ff": 96, "num_layers": 2, "num_heads": 4, "vocab_size"
 
 def one_step(stack: str) -> tuple[float, dict, dict]:
     """Loss, gradients and updated weights of one step from the same weights and batch (batch 2, float32)."""
-    train = TrainStep(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=False,
-                      head_chunk=16)
+    train = build_step(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=False,
+                       head_chunk=16)
     train.optimizer.zero_grad(set_to_none=True)
     loss = train.loss()
     loss.backward()
@@ -72,9 +72,9 @@ def test_twenty_steps_give_the_plain_models_loss_curve():
     """Training, not one step: 20 AdamW steps on a fixed batch (the loss falls) by each of the main stacks."""
     curves = {}
     for stack in ("plain", "native", "ours"):
-        train = TrainStep(STACKS[stack], {**DIMS, "num_layers": 1}, 2, torch.device("cpu"), torch.float32,
+        train = build_step(STACKS[stack], {**DIMS, "num_layers": 1}, 2, torch.device("cpu"), torch.float32,
                           compile_blocks=False, head_chunk=16)
-        curves[stack] = torch.stack([train.step() for _ in range(20)])
+        curves[stack] = torch.stack([train.train_step() for _ in range(20)])
     assert curves["plain"][-1] < 0.95 * curves["plain"][0]  # lr 1e-4: it learns, slowly
     for stack in ("native", "ours"):
         torch.testing.assert_close(curves[stack], curves["plain"], rtol=1e-4, atol=0, msg=stack)
@@ -84,7 +84,7 @@ def test_twenty_steps_give_the_plain_models_loss_curve():
 @pytest.mark.parametrize("stack", ["native", "ours"])
 def test_compiled_checkpointed_blocks_compute_what_eager_ones_do(stack: str):
     """torch.compile traces each block with its selective checkpoint (`_CheckpointedBlock`)."""
-    steps = [TrainStep(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=compiled,
+    steps = [build_step(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=compiled,
                        head_chunk=16) for compiled in (True, False)]
     losses = []
     for train in steps:
@@ -103,10 +103,10 @@ def test_float32_master_weights_keep_the_updates_bf16_weights_lose():
     fp32_loss = one_step("plain")[0]
     moved = {}
     for stack in ("ours", "ours_fp32_master"):
-        train = TrainStep(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.bfloat16, compile_blocks=False,
+        train = build_step(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.bfloat16, compile_blocks=False,
                           head_chunk=16)
         before = {n: p.detach().clone() for n, p in train.model.named_parameters()}
-        loss = train.step()
+        loss = train.train_step()
         moved[stack] = {n: (p.detach() != before[n]).float().mean().item()
                         for n, p in train.model.named_parameters()}
         if stack == "ours_fp32_master":
@@ -230,15 +230,16 @@ def test_check_cli_passes_correct_stacks_and_fails_a_wrong_one(tmp_path: Path, m
 
     broken = dataclasses.replace(STACKS["ours"])
     monkeypatch.setitem(train_step_check.STACKS, "ours", broken)
-    original = TrainStep.__init__
+    original = train_step_check.build_step
 
-    def far_step(self, stack, *a, **k):
-        original(self, stack, *a, **k)
+    def far_step(stack, *a, **k):
+        built = original(stack, *a, **k)
         if stack is broken:
-            for group in self.optimizer.param_groups:
+            for group in built.optimizer.param_groups:
                 group["lr"] *= 10
+        return built
 
-    monkeypatch.setattr(TrainStep, "__init__", far_step)
+    monkeypatch.setattr(train_step_check, "build_step", far_step)
     train_step_check.main([*args, "--stacks", "ours", "--out", str(tmp_path / "bad.csv")])
     passed = pd.read_csv(tmp_path / "bad.csv").set_index("quantity")["passed"]
     assert passed["loss"] and passed["gradients"] and not passed["weights"] and not passed["loss_curve"]

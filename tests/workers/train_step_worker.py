@@ -21,7 +21,7 @@ import torch.distributed as dist  # noqa: E402
 
 from cs336_systems.parallel.distributed import distributed  # noqa: E402
 from cs336_systems.parallel.fsdp import FullyShardedDataParallel  # noqa: E402
-from cs336_systems.training.stacks import STACKS, TrainStep  # noqa: E402
+from cs336_systems.training.stacks import STACKS, build_step  # noqa: E402
 
 DIMS = {"d_model": 64, "d_ff": 96, "num_layers": 2, "num_heads": 4, "vocab_size": 97, "context_length": 19}
 
@@ -36,15 +36,15 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def main(stack_name: str, compiled: bool) -> None:
     with distributed(backend="gloo", timeout_s=600) as ctx:
         stack = STACKS[stack_name]
-        make = lambda s: TrainStep(s, DIMS, 1, ctx.device, torch.float32, compile_blocks=compiled, head_chunk=16)
+        make = lambda s: build_step(s, DIMS, 1, ctx.device, torch.float32, compile_blocks=compiled, head_chunk=16)
         sharded = make(stack)
         whole = make(dataclasses.replace(stack, sharding="none"))
-        # the unsharded model sees every rank's sequence (TrainStep draws rank r's from seed + r)
+        # the unsharded model sees every rank's sequence (build_step draws rank r's from seed + r)
         ids = [torch.randint(DIMS["vocab_size"], (1, DIMS["context_length"] + 1),
                              generator=torch.Generator().manual_seed(r)) for r in range(ctx.world_size)]
-        whole.tokens, whole.targets = torch.cat(ids)[:, :-1], torch.cat(ids)[:, 1:]
+        whole.batch = torch.cat(ids)[:, :-1], torch.cat(ids)[:, 1:]
         for step in range(2):
-            loss = sharded.step()
+            loss = sharded.train_step()
             dist.all_reduce(loss)
             whole.optimizer.zero_grad(set_to_none=True)
             expected = whole.loss()

@@ -15,6 +15,8 @@ output (softmax and probs @ V share it), and V. The division by a Python scalar 
 
 from __future__ import annotations
 
+from cs336_systems.accounting.units import MIB
+
 
 def naive_attention_memory(batch: int, seq: int, d: int, dtype_bytes: int = 4) -> dict[str, int]:
     """Bytes of each tensor class of naive attention and the totals the benchmark can measure.
@@ -60,4 +62,4 @@ def naive_attention_memory(batch: int, seq: int, d: int, dtype_bytes: int = 4) -
 
 
 def mib(n_bytes: float) -> float:
-    return n_bytes / 2**20
+    return n_bytes / MIB

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from cs336_systems.measure.cuda_memory import MIB
+from cs336_systems.accounting.units import MIB
 from cs336_systems.measure.timing import sync
 from cs336_systems.model import checkpointing
 from cs336_systems.model.transformer import ModelConfig, TransformerBlock

@@ -39,8 +39,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from cs336_systems.accounting.formulas import collective_bytes, dtype_bytes
+from cs336_systems.accounting.units import MIB
 from cs336_systems.bench.data_parallel import NO_ALLOCATOR_STATS, OOM_REASON
-from cs336_systems.measure.cuda_memory import MIB
 from cs336_systems.measure.timeline import record_timeline, stream_timeline
 from cs336_systems.measure.timing import sync, time_steps
 from cs336_systems.model.transformer import ModelConfig, TransformerLM

@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems import cli
+from cs336_systems.accounting.units import MIB
 from cs336_systems.bench.data_parallel import time_collective
 from cs336_systems.measure.provenance import write_rows
 from cs336_systems.measure.timing import summarize
 from cs336_systems.parallel.distributed import BACKENDS, distributed
-
-BYTES_PER_MB = 2**20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,7 +40,7 @@ def run(args: argparse.Namespace, device: torch.device) -> list[dict]:
     world_size = dist.get_world_size()
     rows = []
     for size_mb in args.sizes_mb:
-        numel = int(size_mb * BYTES_PER_MB) // 4
+        numel = int(size_mb * MIB) // 4
         tensor = torch.rand(numel, dtype=torch.float32, device=device)
         # rescaling keeps the values bounded over iterations
         slowest = time_collective(partial(dist.all_reduce, tensor), device, args.warmup, args.iters,

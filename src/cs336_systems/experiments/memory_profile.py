@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from cs336_systems import cli
+from cs336_systems.accounting.units import MIB
 from cs336_systems.measure import cuda_memory
-from cs336_systems.measure.cuda_memory import MIB
 from cs336_systems.measure.provenance import write_rows
 from cs336_systems.measure.timing import resolve_device, rows_or_oom, time_steps
 from cs336_systems.model.transformer import ModelConfig

@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from cs336_systems import cli
 from cs336_systems.accounting import parallelism as p
+from cs336_systems.accounting.units import MIB
 from cs336_systems.bench.data_parallel import time_collective
 from cs336_systems.measure.provenance import write_rows
 from cs336_systems.parallel.distributed import BACKENDS, distributed
 from cs336_systems.parallel.ring_collectives import alternate_all_reduce, ring_all_reduce
 
 ALGORITHMS = {"ring": ring_all_reduce, "alternate": alternate_all_reduce}
-BYTES_PER_MB = 2**20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace, device: torch.device) -> list[dict]:
     rows = []
     for size_mb in args.sizes_mb:
         # float32, a multiple of world elements (the ring splits the tensor into world chunks)
-        numel = max(world, int(size_mb * BYTES_PER_MB) // 4 // world * world)
+        numel = max(world, int(size_mb * MIB) // 4 // world * world)
         x = torch.rand(numel, dtype=torch.float32, device=device)
         medians = {}
         for name, algorithm in ALGORITHMS.items():

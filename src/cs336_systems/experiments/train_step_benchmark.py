@@ -15,7 +15,7 @@ is lost on a bf16 weight more than ~256x its size; float32 master weights keep i
 `optimizer.step()` timed alone, and the memory the model keeps between steps (`weights_mib`, `gradients_mib`,
 `optimizer_state_mib`). With `--components`, one more profiled step per cell gives `component` rows: its
 kernels' time by component (attention, head + loss, optimizer, matmul, the rest;
-train_step_benchmarking.COMPONENTS).
+cs336_systems.training.stacks.COMPONENTS).
 
 The sharded stacks (`*_fsdp`) run under the launcher, one rank per GPU, each rank on its own `--batch-size`
 sequences (the leaderboard: 2 GPUs x 1 sequence):
@@ -44,33 +44,19 @@ import time
 STARTED = time.perf_counter()  # before torch is imported: the run's clock counts the imports
 
 import argparse
-import contextlib
 import os
-import statistics
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from cs336_systems import cli
+from cs336_systems.bench.stack_timing import cell_row, compile_caches, fit_rows, measure
 from cs336_systems.kernels import triton_interpreter
 from cs336_systems.measure.provenance import write_rows
-from cs336_systems.measure.timing import or_oom, resolve_device, sync, time_steps
+from cs336_systems.measure.timing import or_oom, resolve_device
 from cs336_systems.parallel.distributed import BACKENDS, distributed
-from cs336_systems.parallel.fsdp import FullyShardedDataParallel
-from cs336_systems.training.stacks import (
-    DTYPES,
-    LEADERBOARD,
-    STACKS,
-    TrainStep,
-    component_times,
-    model_flops,
-    peak_tflops,
-)
-
-# A cell's clock (seconds): building the model and optimizer, the first step, the CLI's start to the timing's end.
-CLOCK = ("build_s", "first_step_s", "elapsed_s")
+from cs336_systems.training.stacks import DTYPES, LEADERBOARD, STACKS, peak_tflops
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,145 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def time_step(train: TrainStep, device: torch.device, args: argparse.Namespace) -> float:
-    """Milliseconds per step: do_bench's median on one CUDA device; on several ranks the median over steps of
-    the slowest rank's time; the median of wall times elsewhere."""
-    if dist.is_initialized():
-        time_steps(train.step, args.warmup_steps, 0, device)
-        per_rank = torch.tensor(time_steps(train.step, 0, args.steps, device), device=device)
-        dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
-        return statistics.median(per_rank.tolist()) * 1e3
-    return one_device_ms(train.step, device, args.warmup_steps, args.steps, warmup=args.warmup_ms, rep=args.rep_ms)
-
-
-def one_device_ms(fn, device: torch.device, warmup_steps: int, steps: int, **do_bench_times) -> float:
-    """Milliseconds per call of `fn` on one device: do_bench's median on CUDA (over `do_bench_times`, its
-    defaults where none are given); elsewhere the median of `steps` wall times after `warmup_steps` calls."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, return_mode="median", **do_bench_times)
-    return statistics.median(time_steps(fn, warmup_steps, steps, device)) * 1e3
-
-
-def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch.device) -> dict:
-    dims = {name: getattr(args, name) for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length")}
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    started = time.perf_counter()
-    train = TrainStep(STACKS[stack], {**dims, "num_layers": num_layers}, args.batch_size, device,
-                      DTYPES[args.dtype], compile_blocks=not args.no_compile, head_chunk=args.head_chunk, seed=args.seed)
-    sync(device)
-    built = time.perf_counter()
-    train.step()  # the first step compiles and autotunes
-    sync(device)
-    clock = {"build_s": built - started, "first_step_s": time.perf_counter() - built}
-    ours = isinstance(train.model, FullyShardedDataParallel)
-    records = []
-    if ours:  # its waits, counted in the timed steps (a few CUDA events per unit)
-        train.model.measure_communication = True
-        finish = train.sync_gradients
-
-        def finish_and_record() -> None:
-            finish()
-            records.append(train.model.last_communication)
-
-        train.sync_gradients = finish_and_record
-    step_ms = time_step(train, device, args)
-    sync(device)
-    clock["elapsed_s"] = time.perf_counter() - STARTED
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-    waits = {}
-    alone = {}
-    if not dist.is_initialized():  # a step that fit may still find no room for the copy: then no fraction
-        alone |= state_mib(train)
-        fraction = or_oom(lambda: updated_fraction(train))
-        alone["updated_fraction"] = float("nan") if fraction == "OOM" else fraction
-        alone["optimizer_ms"] = optimizer_ms(train, device, args)
-    if ours:
-        stats = [record.stats() for record in records[-args.steps :]]
-        waits = {f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3 for key in ("gather_wait", "sync_wait")}
-    largest = {"peak_mib": peak, **clock, **waits}
-    if dist.is_initialized():  # the largest rank's
-        by_rank = gather_to_all(list(largest.values()))
-        largest = dict(zip(largest, map(max, zip(*by_rank, strict=True)), strict=True))
-    return {"step_ms": step_ms, **largest, **alone,
-            "components": component_times(train, device) if args.components else {}}
-
-
-def state_mib(train: TrainStep) -> dict[str, float]:
-    """MiB of what the model keeps from step to step: its weights, their gradients (still there after a step) and
-    the optimizer's state; the rest of the peak is activations and temporaries."""
-    mib = lambda tensors: sum(t.numel() * t.element_size() for t in tensors) / 2**20
-    params = list(train.model.parameters())
-    return {"weights_mib": mib(params), "gradients_mib": mib(p.grad for p in params if p.grad is not None),
-            "optimizer_state_mib": mib(v for state in train.optimizer.state.values() for v in state.values()
-                                       if torch.is_tensor(v))}
-
-
-def updated_fraction(train: TrainStep) -> float:
-    """The share of the weights that one more step changes (after the peak is read: it holds a copy of them)."""
-    before = [p.detach().clone() for p in train.model.parameters()]
-    train.step()
-    changed = sum(int((p.detach() != old).sum()) for p, old in zip(train.model.parameters(), before, strict=True))
-    return changed / sum(old.numel() for old in before)
-
-
-def optimizer_ms(train: TrainStep, device: torch.device, args: argparse.Namespace) -> float:
-    """Milliseconds of `optimizer.step()` alone, on the last step's gradients (no warm-up steps off CUDA)."""
-    return one_device_ms(train.optimizer.step, device, 0, args.steps)
-
-
-def gather_to_all(values: list[float]) -> list[list[float]]:
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, values)
-    return gathered
-
-
-def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, result) -> dict:
-    s = STACKS[stack]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    flops = model_flops(vars(args), num_layers, args.context_length, args.batch_size * world)
-    peak = peak_tflops(device)
-    row = {"kind": "cell", "stack": stack, "attention": s.attention, "head": s.head, "checkpoint": s.checkpoint,
-           "compiled": s.compile_blocks and not args.no_compile, "optimizer": s.optimizer, "sharding": s.sharding,
-           "world_size": world, "num_layers": num_layers, "d_model": args.d_model,
-           "d_ff": args.d_ff, "num_heads": args.num_heads, "vocab_size": args.vocab_size,
-           "context_length": args.context_length, "batch_size": args.batch_size, "dtype": args.dtype,
-           "weights": "float32" if s.fp32_master else args.dtype, "model_tflop": flops / 1e12,
-           "step_ms": float("nan"), "peak_mib": float("nan"), "mfu": float("nan"),
-           "status": "ok", "reason": ""}
-    if result == "OOM":
-        return row | {"status": "OOM", "reason": "out of memory"}
-    row |= {key: value for key, value in result.items() if key != "components"}
-    if peak is not None:
-        row["mfu"] = flops / (result["step_ms"] / 1e3) / (world * peak * 1e12)
-    return row
-
-
-def fit_rows(cells: list[dict], extrapolate_layers: int, peak: float | None) -> list[dict]:
-    """Per stack with two depths or more measured: per-layer time (slope), and the step time and MFU
-    extrapolated to `extrapolate_layers` layers."""
-    rows = []
-    for stack in dict.fromkeys(c["stack"] for c in cells):
-        ran = [c for c in cells if c["stack"] == stack and c["status"] == "ok"]
-        depths = sorted(c["num_layers"] for c in ran)
-        if len(set(depths)) < 2:
-            continue
-        slope, intercept = np.polyfit([c["num_layers"] for c in ran], [c["step_ms"] for c in ran], 1)
-        first = ran[0]
-        world = first["world_size"]
-        flops = model_flops(first, extrapolate_layers, first["context_length"], first["batch_size"] * world)
-        step_ms = intercept + slope * extrapolate_layers
-        rows.append(first | {
-            "kind": "fit", "num_layers": extrapolate_layers, "per_layer_ms": slope, "intercept_ms": intercept,
-            "step_ms": step_ms, "peak_mib": float("nan"), "gather_wait_ms": float("nan"),
-            "sync_wait_ms": float("nan"), **dict.fromkeys(CLOCK, float("nan")), "model_tflop": flops / 1e12,
-            "mfu": flops / (step_ms / 1e3) / (world * peak * 1e12) if peak else float("nan"), "status": "extrapolated",
-            "reason": f"intercept + slope x {extrapolate_layers} layers, least squares over depths {depths}"})
-    return rows
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # Before CUDA starts: expandable segments (as torchtitan sets them). At 34 layers on 2x H200 the default
@@ -263,16 +110,6 @@ def main(argv: list[str] | None = None) -> None:
         run(args, ctx.device)
 
 
-def compile_caches(cold: bool):
-    """Inductor's and Triton's on-disk caches in a new empty folder, removed after (PyTorch's own helper), or the
-    usual ones."""
-    if not cold:
-        return contextlib.nullcontext()
-    from torch._inductor.utils import fresh_cache  # imports triton: only once TRITON_INTERPRET is settled
-
-    return fresh_cache()
-
-
 def run(args: argparse.Namespace, device: torch.device) -> None:
     """Every (stack, depth) cell, the fits; rank 0 (or the only process) writes them."""
     triton_interpreter.use_off_cuda(device)
@@ -281,7 +118,7 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     with compile_caches(args.cold_cache):
         for stack in args.stacks:
             for num_layers in args.num_layers:
-                result = or_oom(lambda s=stack, n=num_layers: measure(s, n, args, device))
+                result = or_oom(lambda s=stack, n=num_layers: measure(s, n, args, device, STARTED))
                 cells.append(cell_row(stack, num_layers, args, device, result))
                 if result != "OOM":
                     parts += [{"kind": "component", "stack": stack, "num_layers": num_layers, "component": name,

@@ -4,7 +4,7 @@
         --out results/gpu/train_step_check/check.csv
 
 On a small model (odd vocabulary and context, so our kernels' ragged tiles run), every stack starts from the same
-weights and batch (cs336_systems.training.stacks.TrainStep, one seed) and takes `--steps` AdamW steps in
+weights and batch (cs336_systems.training.stacks.build_step, one seed) and takes `--steps` AdamW steps in
 `--dtype`. The reference is the plain model in float32 (TF32 off). Per stack and quantity, one row:
 - `loss`, `gradients`: the first step's loss and all gradients (concatenated), relative error
   ‖x − ref‖ / ‖ref‖ against the reference;
@@ -25,7 +25,7 @@ from cs336_systems import cli
 from cs336_systems.kernels import triton_interpreter
 from cs336_systems.measure.provenance import write_rows
 from cs336_systems.measure.timing import resolve_device
-from cs336_systems.training.stacks import DTYPES, STACKS, Stack, TrainStep
+from cs336_systems.training.stacks import DTYPES, STACKS, Stack, build_step
 
 ONE_DEVICE = [s for s, stack in STACKS.items() if stack.sharding == "none"]
 
@@ -51,11 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train(stack: Stack, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, compile_blocks: bool):
     """(losses over the steps, the first step's gradients, the weights after it), all float32 on the CPU."""
     dims = {k: getattr(args, k) for k in ("d_model", "d_ff", "num_heads", "num_layers", "vocab_size", "context_length")}
-    step = TrainStep(stack, dims, args.batch_size, device, dtype, compile_blocks=compile_blocks,
-                     head_chunk=args.head_chunk, seed=args.seed)
+    step = build_step(stack, dims, args.batch_size, device, dtype, compile_blocks=compile_blocks,
+                      head_chunk=args.head_chunk, seed=args.seed)
     losses, grads, weights = [], None, None
     for i in range(args.steps):
-        losses.append(step.step().item())
+        losses.append(step.train_step().item())
         if i == 0:  # the step's gradients stay until the next one's zero_grad; the optimizer leaves them as they are
             grads = torch.cat([p.grad.detach().float().flatten().cpu() for p in step.model.parameters()])
             weights = torch.cat([p.detach().float().flatten().cpu() for p in step.model.parameters()])

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import torch
 
+from cs336_systems.accounting.units import MIB
 from cs336_systems.measure.timing import sync
-
-MIB = 2**20
 
 
 def allocated_mib(device: torch.device, peak: bool = False) -> float | None:

@@ -23,7 +23,6 @@ from torch import nn
 
 from cs336_systems.model.transformer import ModelConfig, RMSNorm, TransformerBlock
 
-MIB = 2**20
 MODULES = ("rmsnorm", "block")
 MODES = ("eager", "compiled")
 ANALYTIC_ATTENTION = ("naive", "flash_triton")

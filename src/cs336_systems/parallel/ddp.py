@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from cs336_systems.accounting.units import MIB
 from cs336_systems.parallel.distributed import CommunicationTimer
 
 
@@ -190,7 +191,7 @@ class BucketedDDP(_DataParallel):
             raise ValueError(f"bucket_size_mb must be positive or None, got {bucket_size_mb}")
         super().__init__(module)
         self.bucket_size_mb = bucket_size_mb
-        cap_bytes = float("inf") if bucket_size_mb is None else bucket_size_mb * 2**20
+        cap_bytes = float("inf") if bucket_size_mb is None else bucket_size_mb * MIB
         groups: list[list[int]] = []
         group_bytes = 0
         for index in reversed(range(len(self.params))):

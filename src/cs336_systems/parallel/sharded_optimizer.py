@@ -27,11 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cs336_systems.accounting.units import MIB
 from cs336_systems.parallel.distributed import all_gather_flat
 from cs336_systems.parallel.partition import balanced_partition
 
 # Upper bound on the receive buffer of one all-gather round; the send buffer is 1/world_size of it.
-GATHER_CHUNK_BYTES = 256 * 2**20
+GATHER_CHUNK_BYTES = 256 * MIB
 
 _NOT_HYPERPARAMETERS = ("params", "param_names")
 

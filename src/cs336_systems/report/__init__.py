@@ -6,7 +6,7 @@ import importlib
 import re
 from pathlib import Path
 
-from cs336_systems.report.context import Context
+from cs336_systems.report.context import Context, NotRun
 from cs336_systems.report.formatting import provenance_line
 
 # (heading, module under cs336_systems.report.sections); modules that do not exist yet render a placeholder.
@@ -42,7 +42,10 @@ def render(run: str, results: Path, out_dir: Path) -> str:
                 raise
             text = "_This deliverable is not built yet._"
         else:
-            text = section.render(ctx)
+            try:
+                text = section.render(ctx)
+            except NotRun as reason:  # the section's own table did not run: its reason is the whole section
+                text = str(reason)
         body.append(f"## {heading}\n\n{text.strip()}\n")
     title = [
         f"# CS336 assignment 2 (systems): writeup of run `{run}`",

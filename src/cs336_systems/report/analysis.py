@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
+from cs336_systems.accounting.units import MIB
+
 # ---------------------------------------------------------------------------------------------------------
 # The latency-bandwidth model of a collective: t(n) = α + β·n
 
@@ -182,8 +184,6 @@ def log_slope(x: pd.Series, y: pd.Series) -> float:
 # ---------------------------------------------------------------------------------------------------------
 # Activation checkpointing (2026 §3.2): measured policies beside the residual model of cs336_systems.model.checkpointing
 
-MIB_BYTES = 2**20
-
 
 def checkpoint_policy_key(policy: str) -> tuple[int, int, str]:
     """Sort key: none, every:1 .. every:N, nested, the selective ones."""
@@ -200,9 +200,9 @@ def checkpointing_cells(cells: pd.DataFrame, block: pd.Series) -> pd.DataFrame:
     sizes = [block[key] for key in ("residual_bytes", "checkpoint_bytes", "grad_bytes_per_block")]
     out = cells.assign(order=cells["policy"].map(checkpoint_policy_key)).sort_values("order").drop(columns="order")
     out["k"] = out["policy"].map(lambda p: float(p.split(":")[1]) if p.startswith("every:") else math.nan)
-    out["saved_mib"] = out.get("saved_bytes", pd.Series(math.nan, index=out.index)) / MIB_BYTES
+    out["saved_mib"] = out.get("saved_bytes", pd.Series(math.nan, index=out.index)) / MIB
     out["predicted_mib"] = [
-        math.nan if p.startswith("selective") else checkpointing.predicted_peak(p, n, *sizes) / MIB_BYTES
+        math.nan if p.startswith("selective") else checkpointing.predicted_peak(p, n, *sizes) / MIB
         for p in out["policy"]
     ]
     out["forward_evaluations"] = [checkpointing.forward_evaluations(p, n) for p in out["policy"]]
@@ -248,7 +248,7 @@ def analytic_optimum(block: pd.Series) -> dict[str, float]:
     k = checkpointing.optimal_k(n, r, c, w)
     return {
         "k": k,
-        "predicted_mib": checkpointing.predicted_peak(f"every:{k}", n, r, c, w) / MIB_BYTES,
+        "predicted_mib": checkpointing.predicted_peak(f"every:{k}", n, r, c, w) / MIB,
         "k_activations_only": checkpointing.optimal_k(n, r, c),
         "k_continuous": math.sqrt(n * c / r),
     }
@@ -267,11 +267,11 @@ def nested_asymptotics(depths: list[int], block: pd.Series) -> pd.DataFrame:
     r, c = float(block["residual_bytes"]), float(block["checkpoint_bytes"])
     rows = []
     for n in depths:
-        peaks = {p: checkpointing.predicted_peak(p, n, r, c) / MIB_BYTES for p in ("none", "every:1", "nested")}
+        peaks = {p: checkpointing.predicted_peak(p, n, r, c) / MIB for p in ("none", "every:1", "nested")}
         rows.append({
             "num_layers": n,
             **{f"{p}_mib": v for p, v in peaks.items()},
-            "nested_checkpoints": round((peaks["nested"] * MIB_BYTES - r) / c),
+            "nested_checkpoints": round((peaks["nested"] * MIB - r) / c),
             "every_1_forwards": checkpointing.forward_evaluations("every:1", n),
             "nested_forwards": checkpointing.forward_evaluations("nested", n),
         })
@@ -300,8 +300,8 @@ def residual_totals(frame: pd.DataFrame) -> pd.DataFrame:
             else None,
             "tensors": len(ok),
             "storages": int(ok["counted"].astype(bool).sum()),
-            "counted_mib": ok["counted_bytes"].sum() / 2**20 if len(ok) else math.nan,
-            "handout_mib": ok.loc[~ok["is_parameter_object"].astype(bool), "bytes"].sum() / 2**20
+            "counted_mib": ok["counted_bytes"].sum() / MIB if len(ok) else math.nan,
+            "handout_mib": ok.loc[~ok["is_parameter_object"].astype(bool), "bytes"].sum() / MIB
             if len(ok) else math.nan,
         })
     return pd.DataFrame(rows)
@@ -337,7 +337,7 @@ def residuals_by_size(frame: pd.DataFrame) -> pd.DataFrame:
     counted = counted.assign(size_class=counted.apply(residual_size_class, axis=1),
                              heads=counted["heads"].fillna(0).astype(int))
     grouped = counted.groupby(["module", "attention", "heads", "mode", "size_class"], sort=False)
-    return grouped.agg(tensors=("counted_bytes", "size"), mib=("counted_bytes", lambda b: b.sum() / 2**20)
+    return grouped.agg(tensors=("counted_bytes", "size"), mib=("counted_bytes", lambda b: b.sum() / MIB)
                        ).reset_index()
 
 

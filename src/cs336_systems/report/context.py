@@ -3,6 +3,8 @@ models those results describe."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,25 @@ from cs336_systems.model.transformer import ModelConfig  # noqa: E402
 from cs336_systems.report.formatting import not_measured, not_run, provenance_line  # noqa: E402
 
 Found = tuple[pd.DataFrame, list[dict[str, Any]]]
+
+
+class NotRun(Exception):
+    """A table a part of the writeup needs did not run (or was skipped); str() is the markdown shown in that part's
+    place. report.render catches it for a whole section, `reason_if_not_run` for a part of one."""
+
+
+def reason_if_not_run(part: Callable[..., str]) -> Callable[..., str]:
+    """For a part of a section: when a table it needs did not run, the part reads as the reason and the rest of
+    the section goes on."""
+
+    @functools.wraps(part)
+    def text(*args: Any, **kwargs: Any) -> str:
+        try:
+            return part(*args, **kwargs)
+        except NotRun as reason:
+            return str(reason)
+
+    return text
 
 
 @dataclass
@@ -45,15 +66,17 @@ class Context:
             return None
         return pd.concat([f for f, _ in found], ignore_index=True), [m for _, m in found]
 
-    def table_or_reason(self, deliverable: str, what: str) -> Found | str:
-        """The deliverable's table and provenances, or the text a section shows instead: that `what` has no
-        results in this run, or, where every row says it was skipped, the provenance and the reason."""
+    def require(self, deliverable: str, what: str) -> Found:
+        """The deliverable's table and provenances, which the calling part of the writeup cannot do without: raises
+        NotRun when `what` has no results in this run, or when every row says it was skipped."""
         found = self.table(deliverable)
         if found is None:
-            return not_run(what)
+            raise NotRun(not_run(what))
         frame, metas = found
         reason = skipped_reason(frame)
-        return f"{provenance_line(metas)}\n\n{not_measured(reason)}" if reason else found
+        if reason:
+            raise NotRun(f"{provenance_line(metas)}\n\n{not_measured(reason)}")
+        return found
 
     def figure(self, fig: plt.Figure, name: str, alt: str) -> str:
         """Save `fig` as figures/<name>.png and return its markdown image link (relative to the writeup)."""

@@ -3,10 +3,12 @@ section shows instead of results. Nothing here computes a finding (that is analy
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
 
+from cs336_systems.accounting.units import GIB, MIB
 from cs336_systems.report.analysis import MODES, trend
 
 # Timed modes of a Transformer step, as the e2e, profiling, mixed-precision and compile sections name them.
@@ -31,6 +33,21 @@ def count(n: float) -> str:
 def num(x: float) -> str:
     """Three significant digits without an exponent for numbers of at least 100."""
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def or_dash(fmt: str) -> Callable[[Any], str]:
+    """A table cell's formatter: the value in `fmt` (a str.format pattern), or — where it is missing."""
+    return lambda value: "—" if pd.isna(value) else fmt.format(value)
+
+
+def binary_unit(n_bytes: float) -> tuple[str, int]:
+    """The unit a size reads best in, and its bytes: GiB from one GiB on, MiB below."""
+    return ("GiB", GIB) if n_bytes >= GIB else ("MiB", MIB)
+
+
+def mib_or_gib(n_bytes: float) -> str:
+    """A size in prose: GiB with two decimals from one GiB on, MiB with one decimal below."""
+    return f"{n_bytes / GIB:,.2f} GiB" if n_bytes >= GIB else f"{n_bytes / MIB:,.1f} MiB"
 
 
 def span(values: pd.Series, fmt: str) -> str:
@@ -105,7 +122,7 @@ def speedup_table(compared: pd.DataFrame, order: list[str], labels: dict[str, st
                 strict=True,
             )
         ]
-    table["speedup"] = compared["speedup"].map(lambda v: f"{v:.2f}×" if pd.notna(v) else "—")
+    table["speedup"] = compared["speedup"].map(or_dash("{:.2f}×"))
     table["size"] = pd.Categorical(table["size"], categories=order, ordered=True)
     table["mode"] = pd.Categorical(
         table["mode"].map(MODE_LABEL), categories=list(MODE_LABEL.values()), ordered=True

@@ -29,7 +29,6 @@ MFU counts model FLOPs only (recomputation is not counted): per sequence of T to
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 
@@ -43,6 +42,7 @@ from cs336_systems.measure.profiling import MATMUL, profile_step
 from cs336_systems.model import checkpointing
 from cs336_systems.model.transformer import ModelConfig, TransformerLM
 from cs336_systems.parallel.fsdp import FullyShardedDataParallel
+from cs336_systems.training.workload import TrainingStep
 
 # The leaderboard's model (handout §9): d_model, d_ff, layers, heads, vocabulary, context.
 LEADERBOARD = {"d_model": 4096, "d_ff": 11_008, "num_layers": 34, "num_heads": 32, "vocab_size": 151_936,
@@ -56,6 +56,7 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
 
 @dataclass(frozen=True)
 class Stack:
+    label: str  # how the writeup names it
     attention: str  # ModelConfig.attention
     head: str  # eager: logits then cross_entropy; chunked: PyTorch, per token chunk; fused: our Triton kernel
     checkpoint: str  # ModelConfig.checkpoint
@@ -66,23 +67,23 @@ class Stack:
 
 
 STACKS = {
-    "plain": Stack("naive", "eager", "none", compile_blocks=False, optimizer="torch"),
-    "native": Stack("sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused"),
-    "ours": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours"),
-    "ours_sdpa": Stack("sdpa", "fused", "selective", compile_blocks=True, optimizer="ours"),
-    "ours_chunked_head": Stack("flash_triton", "chunked", "selective", compile_blocks=True, optimizer="ours"),
-    "ours_torch_adamw": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="torch_fused"),
+    "plain": Stack("plain TransformerLM (the spec's naive baseline)", "naive", "eager", "none", compile_blocks=False, optimizer="torch"),
+    "native": Stack("PyTorch-native stack", "sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused"),
+    "ours": Stack("ours", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours"),
+    "ours_sdpa": Stack("ours with SDPA's attention", "sdpa", "fused", "selective", compile_blocks=True, optimizer="ours"),
+    "ours_chunked_head": Stack("ours with PyTorch's chunked head", "flash_triton", "chunked", "selective", compile_blocks=True, optimizer="ours"),
+    "ours_torch_adamw": Stack("ours with torch.optim.AdamW(fused=True)", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="torch_fused"),
     # no recomputation at all: the bound checkpointing pays against, where the activations fit
-    "ours_no_checkpoint": Stack("flash_triton", "fused", "none", compile_blocks=True, optimizer="ours"),
+    "ours_no_checkpoint": Stack("ours without checkpointing", "flash_triton", "fused", "none", compile_blocks=True, optimizer="ours"),
     # what mixed precision's usual float32 master weights cost against the leaderboard's all-bf16 state
-    "ours_fp32_master": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours",
+    "ours_fp32_master": Stack("ours with float32 master weights", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours",
                               fp32_master=True),
     # sharded over the process group's ranks (the leaderboard's two GPUs)
-    "plain_fsdp": Stack("naive", "eager", "none", compile_blocks=False, optimizer="torch", sharding="ours"),
-    "native_fsdp": Stack("sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused",
+    "plain_fsdp": Stack("plain TransformerLM under our FSDP (the spec's naive baseline)", "naive", "eager", "none", compile_blocks=False, optimizer="torch", sharding="ours"),
+    "native_fsdp": Stack("PyTorch-native stack under FSDP2 (`fully_shard` per block, head and root)", "sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused",
                          sharding="fsdp2"),
-    "ours_fsdp": Stack("flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours", sharding="ours"),
-    "ours_fsdp_sdpa": Stack("sdpa", "fused", "selective", compile_blocks=True, optimizer="ours", sharding="ours"),
+    "ours_fsdp": Stack("ours under our FSDP (compiled blocks, head and embedding as units)", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours", sharding="ours"),
+    "ours_fsdp_sdpa": Stack("ours under our FSDP with SDPA's attention", "sdpa", "fused", "selective", compile_blocks=True, optimizer="ours", sharding="ours"),
 }
 SHARDINGS = ("none", "ours", "fsdp2")
 
@@ -170,48 +171,34 @@ def shard(model: LossModel, sharding: str) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-class TrainStep:
-    """The spec's train_step for one stack on a fixed batch of random tokens (`batch_size` sequences on this
-    rank; under a sharded stack each rank draws its own): `step()` runs it once."""
+def build_step(stack: Stack, dims: dict, batch_size: int, device: torch.device, dtype: torch.dtype,
+               compile_blocks: bool = True, head_chunk: int = 8192, seed: int = 0) -> TrainingStep:
+    """The spec's train_step for one stack, as the one TrainingStep: the model built and sharded as the stack
+    says, its AdamW, and a fixed batch of random tokens (`batch_size` sequences on this rank; under a sharded stack
+    each rank draws its own, from seed + rank); the loss is the model's own (summed cross-entropy)."""
+    torch.manual_seed(seed)
+    model = shard(build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks, head_chunk),
+                  stack.sharding)
+    if stack.optimizer == "ours":  # imported here: it imports triton, which must not come before the CLI's mode
+        from cs336_systems.kernels.fused_adamw import FusedAdamW
 
-    def __init__(self, stack: Stack, dims: dict, batch_size: int, device: torch.device, dtype: torch.dtype,
-                 compile_blocks: bool = True, head_chunk: int = 8192, seed: int = 0):
-        torch.manual_seed(seed)
-        self.stack = stack
-        self.model = shard(build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks,
-                                       head_chunk), stack.sharding)
-        if stack.optimizer == "ours":  # imported here: it imports triton, which must not come before the CLI's mode
-            from cs336_systems.kernels.fused_adamw import FusedAdamW
+        optimizer = FusedAdamW(model.parameters(), lr=1e-4)
+    else:
+        fused = stack.optimizer == "torch_fused" and device.type == "cuda"
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused or None)
+    rank = dist.get_rank() if stack.sharding != "none" else 0
+    g = torch.Generator(device="cpu").manual_seed(seed + rank)
+    ids = torch.randint(dims["vocab_size"], (batch_size, dims["context_length"] + 1), generator=g).to(device)
+    # Under fp32_master the forward (and so the backward) computes in the run's dtype.
+    autocast = dtype if stack.fp32_master and dtype != torch.float32 else None
+    # Our FSDP's reductions finish after backward (FSDP2's inside it); then each shard holds its average.
+    sync = model.finish_gradient_synchronization if isinstance(model, FullyShardedDataParallel) else None
+    return TrainingStep(model, optimizer, (ids[:, :-1], ids[:, 1:]), autocast, sync, loss_fn=own_loss)
 
-            self.optimizer = FusedAdamW(self.model.parameters(), lr=1e-4)
-        else:
-            fused = stack.optimizer == "torch_fused" and device.type == "cuda"
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=fused or None)
-        rank = dist.get_rank() if stack.sharding != "none" else 0
-        g = torch.Generator(device="cpu").manual_seed(seed + rank)
-        ids = torch.randint(dims["vocab_size"], (batch_size, dims["context_length"] + 1), generator=g).to(device)
-        self.tokens, self.targets = ids[:, :-1], ids[:, 1:]
-        # Under fp32_master the forward (and so the backward) computes in the run's dtype.
-        mixed = stack.fp32_master and dtype != torch.float32
-        self.autocast = torch.autocast(device.type, dtype=dtype) if mixed else contextlib.nullcontext()
 
-    def loss(self) -> torch.Tensor:
-        with self.autocast:
-            return self.model(self.tokens, self.targets)
-
-    def sync_gradients(self) -> None:
-        """Our FSDP's reductions finish here (FSDP2's inside backward); then each shard holds the average over
-        ranks of its gradient."""
-        if isinstance(self.model, FullyShardedDataParallel):
-            self.model.finish_gradient_synchronization()
-
-    def step(self) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss()
-        loss.backward()
-        self.sync_gradients()
-        self.optimizer.step()
-        return loss.detach()
+def own_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A LossModel's loss: it takes the targets itself."""
+    return model(*batch)
 
 
 def model_flops(dims: dict, num_layers: int, tokens_per_sequence: int, sequences: int) -> float:
@@ -244,9 +231,9 @@ def component_of(kernel: str) -> str:
     return next((name for name, pattern in COMPONENTS if pattern.search(kernel)), OTHER)
 
 
-def component_times(train: TrainStep, device: torch.device) -> dict[str, float]:
+def component_times(train: TrainingStep, device: torch.device) -> dict[str, float]:
     """Milliseconds of one profiled step (after one untimed) per component (COMPONENTS), on the device's clock."""
-    rows = profile_step(train.step, warmup=1, steps=1, device=device)
+    rows = profile_step(train.train_step, warmup=1, steps=1, device=device)
     times = dict.fromkeys([*(name for name, _ in COMPONENTS), OTHER], 0.0)
     for row in rows:
         if row.get("record") == "kernel":

@@ -27,15 +27,24 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None) -> context
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
+def next_token_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The mean cross-entropy of the model's next-token logits (the loss of every experiment but the 2026
+    leaderboard's, whose model computes its own summed loss: training.stacks)."""
+    inputs, targets = batch
+    logits = model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 class TrainingStep:
     """The one training step of every experiment, phase by phase:
 
         zero_grad -> forward (loss) -> backward -> sync_gradients() -> optimizer.step()
 
     What differs between experiments is passed in, never copied: the model (wrapped for data parallelism or
-    not, its attention set in its config), the optimizer (AdamW, sharded, ZeRO), `sync_gradients` (a DDP
-    wrapper's finish_gradient_synchronization) and the autocast dtype. Each phase is a method, so an experiment
-    can time or measure between phases; `mode()` gives the three steps that the benchmarks time."""
+    not, its attention set in its config), the optimizer (AdamW, sharded, ZeRO, our fused AdamW),
+    `sync_gradients` (a DDP or FSDP wrapper's finish_gradient_synchronization), the autocast dtype and the loss
+    (`loss_fn(model, batch)`; the 2026 leaderboard's stacks pass their model's own). Each phase is a method, so an
+    experiment can time or measure between phases; `mode()` gives the three steps that the benchmarks time."""
 
     def __init__(
         self,
@@ -44,37 +53,40 @@ class TrainingStep:
         batch: tuple[torch.Tensor, torch.Tensor],
         autocast_dtype: torch.dtype | None = None,
         sync_gradients: Callable[[], None] | None = None,
+        loss_fn: Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor] = next_token_loss,
     ) -> None:
         self.model, self.optimizer, self.batch = model, optimizer, batch
         self.autocast_dtype = autocast_dtype
         self.sync_gradients = sync_gradients or (lambda: None)
+        self.loss_fn = loss_fn
 
     def loss(self) -> torch.Tensor:
-        inputs, targets = self.batch
-        with record_function("forward"), autocast_context(inputs.device, self.autocast_dtype):
-            logits = self.model(inputs)
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        with record_function("forward"), autocast_context(self.batch[0].device, self.autocast_dtype):
+            return self.loss_fn(self.model, self.batch)
 
     def forward(self) -> None:
         """Inference: the loss without an autograd graph."""
         with torch.no_grad():
             self.loss()
 
-    def gradients(self) -> None:
-        """zero_grad, forward and backward: this step's gradients, not yet synchronised."""
+    def gradients(self) -> torch.Tensor:
+        """zero_grad, forward and backward: this step's gradients, not yet synchronised; returns the loss."""
         self.optimizer.zero_grad(set_to_none=True)
         value = self.loss()
         with record_function("backward"):
             value.backward()
+        return value.detach()
 
     def optimizer_step(self) -> None:
         with record_function("optimizer_step"):
             self.optimizer.step()
 
-    def train_step(self) -> None:
-        self.gradients()
+    def train_step(self) -> torch.Tensor:
+        """One whole step; returns its loss (detached)."""
+        loss = self.gradients()
         self.sync_gradients()
         self.optimizer_step()
+        return loss
 
     def forward_backward(self) -> None:
         """Forward and backward without an optimizer; the gradients are freed at the end, as a step would."""

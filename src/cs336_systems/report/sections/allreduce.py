@@ -6,6 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from cs336_systems.accounting.units import GIB, MIB
 from cs336_systems.report.analysis import ALLREDUCE_KEYS as KEYS
 from cs336_systems.report.analysis import allreduce_fits
 from cs336_systems.report.context import Context
@@ -13,10 +14,7 @@ from cs336_systems.report.formatting import md, num, provenance_line, text_md
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("allreduce", "The all-reduce benchmark")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("allreduce", "The all-reduce benchmark")
     ok = measured(frame)
     skipped = skipped_settings(frame)
     params = metas[0]["params"]
@@ -89,7 +87,7 @@ def table(ok: pd.DataFrame, cell, skipped: pd.DataFrame) -> str:
 
 
 def size_label(size_mb: float) -> str:
-    return f"{num(size_mb)} MB" if size_mb < 1024 else f"{num(size_mb / 1024)} GB"
+    return f"{num(size_mb)} MB" if size_mb * MIB < GIB else f"{num(size_mb * MIB / GIB)} GB"
 
 
 def fit_table(fits: pd.DataFrame) -> pd.DataFrame:
@@ -131,7 +129,7 @@ def commentary(ok: pd.DataFrame, fits: pd.DataFrame) -> str:
         alpha_ms, beta = row["alpha_s"].iloc[0] * 1e3, row["beta_s_per_byte"].iloc[0]
         small, big = sizes.index.min(), sizes.index.max()
         share = alpha_ms / sizes[small]
-        half = alpha_ms / 1e3 / beta / 2**20  # where the latency and the bandwidth term are equal
+        half = alpha_ms / 1e3 / beta / MIB  # where the latency and the bandwidth term are equal
         sentences.append(
             f"With {backend} on {smallest_n} processes, growing the tensor {big / small:g}× "
             f"({size_label(small)} → {size_label(big)}) grows the time {sizes[big] / sizes[small]:.3g}×: "

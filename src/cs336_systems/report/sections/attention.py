@@ -5,25 +5,17 @@ from __future__ import annotations
 import pandas as pd
 
 from cs336_systems.accounting.attention_memory import naive_attention_memory
+from cs336_systems.accounting.units import GIB, MIB
 from cs336_systems.report.analysis import log_slope, phase_times
 from cs336_systems.report.context import Context
-from cs336_systems.report.formatting import phase_cell, provenance_line
+from cs336_systems.report.formatting import mib_or_gib, or_dash, phase_cell, provenance_line
 
 CELL = ["d", "seq_len"]
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-GIB = 2**30
-MIB = 2**20
-
-
-def human(n_bytes: float) -> str:
-    return f"{n_bytes / GIB:,.2f} GiB" if n_bytes >= GIB else f"{n_bytes / MIB:,.1f} MiB"
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("attention", "The attention benchmark")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("attention", "The attention benchmark")
     eager = frame[frame["variant"] == "eager"]
     on_cuda = eager["mem_before_backward_mib"].notna().any()
     batch, dtype = int(eager["batch_size"].iloc[0]), eager["dtype"].iloc[0]
@@ -71,7 +63,7 @@ def grid_table(eager: pd.DataFrame, on_cuda: bool) -> str:
     )
     if on_cuda:
         saved = measured_saved(eager).reindex(table.index)
-        table["memory before backward MiB"] = saved.map(lambda v: f"{v:,.1f}" if pd.notna(v) else "—")
+        table["memory before backward MiB"] = saved.map(or_dash("{:,.1f}"))
     table["formula MiB"] = formula.reindex(table.index).map(lambda v: f"{v:,.1f}")
     table = table.sort_index()
     return table.reset_index().to_markdown(index=False, disable_numparse=True)
@@ -160,8 +152,8 @@ def oom_accounting(eager: pd.DataFrame, batch: int, dtype: str) -> str:
         accounting_table(batch, seq, d, b).to_markdown(index=False, disable_numparse=True),
         "",
         f"For B = {batch}, S = {seq}, d = {d}, {b}-byte elements the forward pass needs "
-        f"{human(terms['forward_peak'])} at its peak and backward {human(terms['backward_peak'])}; one (S × S) "
-        f"matrix alone is {human(terms['score_matrix'])} while Q, K and V together are {human(terms['qkv'])}, so "
+        f"{mib_or_gib(terms['forward_peak'])} at its peak and backward {mib_or_gib(terms['backward_peak'])}; one (S × S) "
+        f"matrix alone is {mib_or_gib(terms['score_matrix'])} while Q, K and V together are {mib_or_gib(terms['qkv'])}, so "
         f"the S² terms are {quadratic / terms['forward_peak']:.1%} of the forward peak"
         + (" and d hardly matters." if quadratic / terms["forward_peak"] >= 0.8 else "."),
     ]
@@ -219,7 +211,7 @@ def flash_memory_sentence(eager: pd.DataFrame, batch: int, dtype: str) -> str:
     naive = naive_attention_memory(batch, seq, d, b)
     flash = 5 * batch * seq * d * b + batch * seq * 4  # Q, K, V, O, dO and the fp32 logsumexp
     return (
-        f"for d = {d}, seq = {seq} it holds Q, K, V, O, dO and the logsumexp, {human(flash)}, against "
-        f"{human(naive['before_backward'])} before backward for the naive version "
+        f"for d = {d}, seq = {seq} it holds Q, K, V, O, dO and the logsumexp, {mib_or_gib(flash)}, against "
+        f"{mib_or_gib(naive['before_backward'])} before backward for the naive version "
         f"({naive['before_backward'] / flash:,.0f}×)."
     )

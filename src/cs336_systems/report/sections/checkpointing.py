@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.accounting.units import MIB
 from cs336_systems.report.analysis import (
     analytic_optimum,
     best_one_level,
@@ -13,8 +14,8 @@ from cs336_systems.report.analysis import (
     ratio_of,
     time_baseline,
 )
-from cs336_systems.report.context import Context
-from cs336_systems.report.formatting import md, num, provenance_line, text_md
+from cs336_systems.report.context import Context, reason_if_not_run
+from cs336_systems.report.formatting import md, num, or_dash, provenance_line, text_md
 
 PRECISION = {"none": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
 SKETCH = """```python
@@ -28,10 +29,7 @@ def nested(blocks, x):  # the top call is not checkpointed; each half is, recurs
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("checkpointing", "Activation checkpointing")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("checkpointing", "Activation checkpointing")
     p = metas[0]["params"]
     on_cuda = "peak" in measured_column(frame)
     out = [
@@ -82,7 +80,7 @@ def policy_table(table: pd.DataFrame, on_cuda: bool) -> tuple[str, str | None]:
         shown["activations MiB"] = table.apply(cell, axis=1, column="activation_peak_mib")
         shown["step peak MiB"] = table.apply(cell, axis=1, column="step_peak_mib")
     shown["saved for backward MiB"] = table.apply(cell, axis=1, column="saved_mib", fmt="{:,.1f}")
-    shown["predicted MiB"] = table["predicted_mib"].map(lambda v: f"{v:,.1f}" if pd.notna(v) else "—")
+    shown["predicted MiB"] = table["predicted_mib"].map(or_dash("{:,.1f}"))
     shown["step ms"] = table.apply(cell, axis=1, column="median_ms", fmt="{:,.1f}")
     if baseline:
         shown[f"time vs {baseline[0]}"] = [
@@ -96,7 +94,7 @@ def policy_table(table: pd.DataFrame, on_cuda: bool) -> tuple[str, str | None]:
 def policy_section(ctx: Context, table: pd.DataFrame, block: pd.Series, autocast: str, on_cuda: bool) -> str:
     text, _ = policy_table(table, on_cuda)
     n = int(block["num_layers"])
-    r, c, w = (block[k] / 2**20 for k in ("residual_bytes", "checkpoint_bytes", "grad_bytes_per_block"))
+    r, c, w = (block[k] / MIB for k in ("residual_bytes", "checkpoint_bytes", "grad_bytes_per_block"))
     optimum = analytic_optimum(block)
     sentences = [
         f"One block saves R = {num(r)} MiB for backward, a checkpoint (one block input) is c = {num(c)} MiB and a "
@@ -202,11 +200,9 @@ def depth_section(ctx: Context, frame: pd.DataFrame, blocks: pd.DataFrame) -> st
     return "\n".join(text)
 
 
+@reason_if_not_run
 def depth_study(ctx: Context) -> str:
-    found = ctx.table_or_reason("checkpointing_depths", "The depth study")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("checkpointing_depths", "The depth study")
     p = metas[0]["params"]
     column = measured_column(frame)
     cells, blocks = frame[frame["record"] == "cell"], frame[frame["record"] == "block"]
@@ -224,7 +220,7 @@ def depth_study(ctx: Context) -> str:
             if column != "saved_mib" and row["status"] == "ok" and pd.notna(row["predicted_mib"]):
                 checks.append(measured / row["predicted_mib"])
     shown = pd.DataFrame(rows)
-    shown["predicted MiB"] = shown["predicted MiB"].map(lambda v: f"{v:,.1f}" if pd.notna(v) else "—")
+    shown["predicted MiB"] = shown["predicted MiB"].map(or_dash("{:,.1f}"))
     what = ("activations = peak − weights and AdamW state" if column != "saved_mib"
             else "bytes saved for backward in one forward (memory is measured on CUDA only)")
     text = [provenance_line(metas),

@@ -9,10 +9,7 @@ from cs336_systems.report.formatting import provenance_line, text_md
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("communication_accounting", "The communication accounting")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("communication_accounting", "The communication accounting")
     p = metas[0]["params"]
     v = {(r["part"], r["quantity"]): r["value"] for _, r in frame.iterrows()}
     tokens = p["batch_size"] * p["seq_len"]

@@ -9,9 +9,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from cs336_systems.accounting.units import MIB
 from cs336_systems.report.analysis import allreduce_fits, concurrency, step_stats
-from cs336_systems.report.context import Context
-from cs336_systems.report.formatting import count, num, provenance_line, text_md
+from cs336_systems.report.context import Context, NotRun, reason_if_not_run
+from cs336_systems.report.formatting import count, num, or_dash, provenance_line, text_md
 
 ORDER = ["naive", "flat", "overlap", "bucketed", "torch_ddp", "single"]
 LABEL = {
@@ -23,7 +24,6 @@ LABEL = {
     "single": "one rank alone (floor)",
 }
 CELL = ["variant", "bucket_size_mb"]
-MB = 2**20
 COMPUTE_COLOR, COMM_COLOR = "tab:blue", "tab:orange"
 
 
@@ -41,11 +41,9 @@ def render(ctx: Context) -> str:
 # §2.2.2 correctness
 
 
+@reason_if_not_run
 def check(ctx: Context) -> str:
-    found = ctx.table_or_reason("naive_ddp", "The DDP correctness check")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("naive_ddp", "The DDP correctness check")
     out = [provenance_line(metas)]
     first = frame.iloc[0]
     out += [
@@ -85,10 +83,10 @@ def check(ctx: Context) -> str:
 
 
 def benchmark(ctx: Context) -> str:
-    found = ctx.table_or_reason("ddp", "The DDP benchmark")
-    if isinstance(found, str):
-        return f"{found}\n\n{bucket_model_text()}"
-    frame, metas = found
+    try:
+        frame, metas = ctx.require("ddp", "The DDP benchmark")
+    except NotRun as reason:  # the bucket-size model needs no measurement
+        return f"{reason}\n\n{bucket_model_text()}"
     out = [provenance_line(metas)]
     stats = cell_stats(frame)
     ok = stats[~stats["oom"]]
@@ -100,7 +98,7 @@ def benchmark(ctx: Context) -> str:
     on_gpu = first["device"] == "cuda"
     out += [
         f"Model {first['size']} (d_model {first['d_model']}, {first['num_layers']} layers, "
-        f"{count(s_bytes / 4)} fp32 parameters = {s_bytes / MB:,.3g} MB of gradients in "
+        f"{count(s_bytes / 4)} fp32 parameters = {s_bytes / MIB:,.3g} MB of gradients in "
         f"{first['num_tensors']} tensors), {first['batch_size_per_rank']} sequences of {first['context_length']} "
         f"tokens per rank, {first['world_size']} ranks on {first['backend']} ({'one GPU each' if on_gpu else 'CPU'}"
         f"), AdamW. Per variant a fresh model, {first['warmup']} warm-up and {stats['steps'].max():.0f} timed steps "
@@ -120,7 +118,9 @@ def benchmark(ctx: Context) -> str:
             plot(ok, floor_ms, optimum_mb(s_bytes, fits)), f"ddp_{ctx.run}", "DDP step times per variant"
         ),
         "",
-        timeline_section(ctx, ok, on_gpu),
+        "### Overlap of computation and communication (ddp_overlap_individual_parameters_benchmarking b)",
+        "",
+        timeline(ctx, ok, on_gpu),
         "",
         bucket_model_text(),
         "",
@@ -163,8 +163,8 @@ def benchmark_table(stats: pd.DataFrame, floor_ms: float) -> pd.DataFrame:
                 "buckets": "" if pd.isna(r["buckets"]) else f"{r['buckets']:.0f}",
                 "step (ms)": f"{r['median_ms']:.1f}",
                 "min–max": f"{r['min_ms']:.1f}–{r['max_ms']:.1f}",
-                "communication (ms)": "—" if pd.isna(r["comm_ms"]) else f"{r['comm_ms']:.1f}",
-                "share of step": "—" if pd.isna(r["comm_share"]) else f"{r['comm_share']:.0%}",
+                "communication (ms)": or_dash("{:.1f}")(r["comm_ms"]),
+                "share of step": or_dash("{:.0%}")(r["comm_share"]),
                 "over the floor": ""
                 if r["variant"] == "single"
                 else f"{overhead:+.1f} ms ({overhead / floor_ms:+.1%})",
@@ -298,15 +298,9 @@ def plot(ok: pd.DataFrame, floor_ms: float, best_mb: float | None) -> plt.Figure
 # §2.3.2 (b) the overlap picture
 
 
-def timeline_section(ctx: Context, ok: pd.DataFrame, on_gpu: bool) -> str:
-    out = [
-        "### Overlap of computation and communication (ddp_overlap_individual_parameters_benchmarking b)",
-        "",
-    ]
-    found = ctx.table_or_reason("ddp_timeline", "The profiler timeline")
-    if isinstance(found, str):
-        return "\n".join([*out, found])
-    frame, _ = found
+@reason_if_not_run
+def timeline(ctx: Context, ok: pd.DataFrame, on_gpu: bool) -> str:
+    frame, _ = ctx.require("ddp_timeline", "The profiler timeline")
     frame = frame[frame["status"] == "ok"].assign(bucket_size_mb=frame["bucket_size_mb"].fillna(0.0))
     ours = ok[ok["variant"] == "bucketed"]
     best_bucket = ours.loc[ours["median_ms"].idxmin(), "bucket_size_mb"] if len(ours) else None
@@ -315,7 +309,7 @@ def timeline_section(ctx: Context, ok: pd.DataFrame, on_gpu: bool) -> str:
     )
     shown = [(v, b) for v, b in shown if ((frame["variant"] == v) & (frame["bucket_size_mb"] == b)).any()]
     if not shown:
-        return "\n".join([*out, "_The timeline has none of the variants to show._"])
+        return "_The timeline has none of the variants to show._"
     where = (
         "Kernels of one training step on rank 0's GPU, by CUDA stream, from the PyTorch profiler (the last of the "
         "traced steps, after warm-up): compute kernels blue, NCCL kernels orange."
@@ -331,7 +325,7 @@ def timeline_section(ctx: Context, ok: pd.DataFrame, on_gpu: bool) -> str:
         "exposed)."
         for r in overlap_rows
     ]
-    out += [
+    out = [
         where,
         "",
         ctx.figure(
@@ -417,7 +411,7 @@ def allreduce_fit(ctx: Context, backend: str, world_size: int) -> pd.Series | No
 def optimum_mb(s_bytes: float, fits: pd.Series | None) -> float | None:
     if fits is None:
         return None
-    return math.sqrt(s_bytes * fits["alpha_s"] / fits["beta_s_per_byte"]) / MB
+    return math.sqrt(s_bytes * fits["alpha_s"] / fits["beta_s_per_byte"]) / MIB
 
 
 def bucket_model_text() -> str:
@@ -469,12 +463,12 @@ def bucket_model_numbers(
     text = (
         f"With this run's all-reduce fit for {first['backend']} on {first['world_size']} processes, "
         f"$o \\approx \\alpha$ = {num(o * 1e6)} µs and $w = 1/\\beta$ = {num(w / 1e9)} GB/s, and "
-        f"$s$ = {num(s_bytes / MB)} MB: $b^* = \\sqrt{{s o w}}$ = {num(b_star / MB)} MB "
+        f"$s$ = {num(s_bytes / MIB)} MB: $b^* = \\sqrt{{s o w}}$ = {num(b_star / MIB)} MB "
         f"($n_b^*$ ≈ {s_bytes / b_star:.1f}), predicted overhead {num(2 * math.sqrt(s_bytes * o / w) * 1e3)} ms; "
         f"the whole gradient's transfer alone, $s/w$, is {num(s_bytes / w * 1e3)} ms."
     )
     if len(ours):
-        best, nearest = ours.idxmin(), min(ours.index, key=lambda b: abs(math.log(b * MB / b_star)))
+        best, nearest = ours.idxmin(), min(ours.index, key=lambda b: abs(math.log(b * MIB / b_star)))
         text += f" The measured sweep is fastest at {best:g} MB"
         if best == nearest:
             text += ", the configured size nearest the model's optimum."

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from cs336_systems.report.analysis import fewest_sufficient, step_stats
-from cs336_systems.report.context import Context, model_order
+from cs336_systems.report.context import Context, model_order, reason_if_not_run
 from cs336_systems.report.formatting import MODE_LABEL, md, provenance_line
 
 
@@ -15,10 +15,7 @@ def cell(row: pd.Series) -> str:
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("e2e", "The end-to-end benchmark")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("e2e", "The end-to-end benchmark")
     order = model_order(metas)
     stats = step_stats(frame, ["size", "context_length", "mode"])
     stats = stats.sort_values(
@@ -107,11 +104,9 @@ def plot(stats: pd.DataFrame, order: list[str]) -> plt.Figure:
     return fig
 
 
+@reason_if_not_run
 def warmup_study(ctx: Context) -> str:
-    found = ctx.table_or_reason("e2e_warmup", "The warm-up study")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("e2e_warmup", "The warm-up study")
     stats = step_stats(frame, ["size", "context_length", "mode", "warmup"])
     stats = stats[stats["oom"] != True]  # noqa: E712
     first = frame[(frame["status"] == "ok") & (frame["step"] == 0)]

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from cs336_systems.report.context import Context
+from cs336_systems.report.context import Context, reason_if_not_run
 from cs336_systems.report.formatting import md, provenance_line
 
 PASSES = ["forward", "backward", "forward_backward"]
@@ -26,11 +26,9 @@ def cell(frame: pd.DataFrame) -> pd.Series:
     return frame.apply(lambda r: f"{r['ms']:.3f}" if r["status"] == "ok" else r["status"], axis=1)
 
 
+@reason_if_not_run
 def benchmark(ctx: Context) -> str:
-    found = ctx.table_or_reason("flash", "The FlashAttention-2 benchmark")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("flash", "The FlashAttention-2 benchmark")
     head = [provenance_line(metas), ""]
     frame = frame.assign(cell=cell(frame))
     head.append(
@@ -146,11 +144,9 @@ def heatmap(frame: pd.DataFrame) -> plt.Figure:
     return fig
 
 
+@reason_if_not_run
 def leaderboard(ctx: Context) -> str:
-    found = ctx.table_or_reason("leaderboard", "The leaderboard timing")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("leaderboard", "The leaderboard timing")
     head = [provenance_line(metas), ""]
     p = frame.iloc[0]
     shown = frame[["impl", "pass", "ms", "median_ms", "tflops", "status"]]

@@ -8,7 +8,7 @@ import re
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from cs336_systems.report.context import Context
+from cs336_systems.report.context import Context, reason_if_not_run
 from cs336_systems.report.formatting import md, provenance_line, text_md
 
 PEERS = {"triton": "ours", "sdpa_cudnn": "cuDNN", "sdpa_flash": "SDPA flash", "flex": "FlexAttention"}
@@ -31,11 +31,9 @@ def mask(causal: bool) -> str:
     return "causal" if causal else "not causal"
 
 
+@reason_if_not_run
 def peers(ctx: Context) -> str:
-    found = ctx.table_or_reason("flash_peers", "The comparison with PyTorch's fastest attention")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("flash_peers", "The comparison with PyTorch's fastest attention")
     ok = frame[frame["status"] == "ok"]
     wide = ok.pivot_table(
         index=["causal", "d_head", "seq_len", "batch_size", "pass"], columns="impl", values="ms"
@@ -185,11 +183,9 @@ PROFILE_COLUMNS = {
 }
 
 
+@reason_if_not_run
 def kernel_profile(ctx: Context) -> str:
-    found = ctx.table_or_reason("flash_ncu", "The Nsight Compute profile")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("flash_ncu", "The Nsight Compute profile")
     ok = frame[frame["status"] == "ok"].copy()
     out = [provenance_line(metas), ""]
     if ok.empty:

@@ -10,9 +10,18 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from cs336_systems.accounting.formulas import fsdp_memory, values
+from cs336_systems.accounting.units import MIB
 from cs336_systems.report.analysis import IN_TIME_MS, fsdp_goals, gather_exposure
-from cs336_systems.report.context import Context, fsdp_units
-from cs336_systems.report.formatting import capitalized, count, not_measured, provenance_line, text_md
+from cs336_systems.report.context import Context, fsdp_units, reason_if_not_run
+from cs336_systems.report.formatting import (
+    binary_unit,
+    capitalized,
+    count,
+    not_measured,
+    or_dash,
+    provenance_line,
+    text_md,
+)
 
 ORDER = ["ours", "ours_exact", "fsdp2", "ddp", "single"]
 LABEL = {
@@ -22,7 +31,6 @@ LABEL = {
     "ddp": "our bucketed DDP",
     "single": "one rank alone (floor)",
 }
-MIB, GIB = 2**20, 2**30
 KIND_COLOR = {"compute": "tab:blue", "memcpy": "tab:cyan", "all_gather": "tab:orange",
               "reduce_scatter": "tab:green", "all_reduce": "tab:purple", "communication": "tab:gray"}
 EXPOSED_COLOR = "tab:red"
@@ -33,10 +41,7 @@ BYTES_COLUMNS = {"bytes_all_gathered": "all-gathered (MiB)", "bytes_reduce_scatt
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("fsdp", "The FSDP benchmark")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("fsdp", "The FSDP benchmark")
     cells = cell_table(frame)
     out = [provenance_line(metas), "", setup(frame)]
     for world_size in sorted(frame["world_size"].dropna().unique()):
@@ -138,7 +143,7 @@ def results_table(cells: pd.DataFrame) -> pd.DataFrame:
                 "ranks": f"{c['ranks']:.0f}",
                 "step (ms)": f"{c['step_ms']:.1f}",
                 "min–max": f"{c['step_min_ms']:.1f}–{c['step_max_ms']:.1f}",
-                "peak per rank (MiB)": "—" if pd.isna(c.get("peak_mib")) else f"{c['peak_mib']:,.0f}",
+                "peak per rank (MiB)": or_dash("{:,.0f}")(c.get("peak_mib")),
                 "exposed all-gather (ms)": "not counted" if pd.isna(wait) else f"{wait:.2f}",
                 "share of step": "" if pd.isna(wait) else f"{wait / c['step_ms']:.1%}",
                 **{label: mib(c[column]) for column, label in BYTES_COLUMNS.items() if column in c},
@@ -229,7 +234,7 @@ def accounting(cells: pd.DataFrame, metas: list[dict]) -> str:
 
 
 def expected_table(e: dict[str, float]) -> pd.DataFrame:
-    unit, scale = ("GiB", GIB) if e["ddp_state_bytes"] >= GIB else ("MiB", MIB)
+    unit, scale = binary_unit(e["ddp_state_bytes"])
     rows = [
         ("DDP: fp32 weights, gradients, AdamW (16 Ψ)", e["ddp_state_bytes"]),
         ("our bucketed DDP's gradient buckets (4 Ψ)", e["ddp_bucket_bytes"]),
@@ -247,7 +252,7 @@ def measured_text(cells: pd.DataFrame, expected: dict[str, float]) -> str:
         why = "no allocator statistics (CPU)" if cells.get("peak_mib", pd.Series(dtype=float)).isna().all() else "DDP did not run"
         return f"Measured saving: not available here ({why})."
     target = expected["saving_vs_our_ddp_bytes"]
-    unit, scale = ("GiB", GIB) if expected["ddp_state_bytes"] >= GIB else ("MiB", MIB)
+    unit, scale = binary_unit(expected["ddp_state_bytes"])
     parts = []
     for variant in ("ours", "fsdp2"):
         if variant in peaks:
@@ -264,11 +269,9 @@ def measured_text(cells: pd.DataFrame, expected: dict[str, float]) -> str:
 # (b) the all-gather timeline
 
 
+@reason_if_not_run
 def timeline(ctx: Context, cells: pd.DataFrame) -> str:
-    found = ctx.table_or_reason("fsdp_timeline", "The FSDP all-gather timeline")
-    if isinstance(found, str):
-        return found
-    frame, _ = found
+    frame, _ = ctx.require("fsdp_timeline", "The FSDP all-gather timeline")
     ok = frame[frame["status"] == "ok"]
     if ok.empty:
         reasons = "; ".join(frame["reason"].dropna().unique())

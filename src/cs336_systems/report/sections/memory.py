@@ -8,20 +8,17 @@ from typing import Any
 
 import pandas as pd
 
+from cs336_systems.accounting.units import MIB
 from cs336_systems.report.analysis import trend
-from cs336_systems.report.context import Context, num_parameters, skipped_reason
-from cs336_systems.report.formatting import md, not_measured, provenance_line
+from cs336_systems.report.context import Context, num_parameters, reason_if_not_run, skipped_reason
+from cs336_systems.report.formatting import md, not_measured, or_dash, provenance_line
 
-MIB = 2**20
 MODE_LABEL = {"forward": "forward", "train_step": "train step"}
 PRECISION_LABEL = {"none": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 autocast"}
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("memory", "Memory profiling")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("memory", "Memory profiling")
     params = metas[0]["params"]
     peaks = frame[frame["record"] == "peak"]
     residual = frame[frame["record"] == "residual_activation"]
@@ -214,8 +211,8 @@ def precision_deltas(peaks: pd.DataFrame) -> str:
     delta = pd.DataFrame(
         {"Δ MiB": wide["bf16"] - wide["none"], "Δ %": 100 * (wide["bf16"] / wide["none"] - 1)}
     ).reindex(table.index)
-    table["Δ MiB"] = delta["Δ MiB"].map(lambda v: f"{v:+,.0f}" if pd.notna(v) else "—")
-    table["Δ %"] = delta["Δ %"].map(lambda v: f"{v:+.1f} %" if pd.notna(v) else "—")
+    table["Δ MiB"] = delta["Δ MiB"].map(or_dash("{:+,.0f}"))
+    table["Δ %"] = delta["Δ %"].map(or_dash("{:+.1f} %"))
     table = table.reset_index()
     table["mode"] = table["mode"].map(MODE_LABEL)
     delta = delta.reset_index().assign(mode=lambda f: f["mode"].map(MODE_LABEL))
@@ -294,11 +291,9 @@ def tensor_names(params: dict[str, Any], batch: int, context: int, dtype_bytes: 
     return names
 
 
+@reason_if_not_run
 def largest_allocations(ctx: Context, params: dict[str, Any], top: int = 10) -> str:
-    found = ctx.table_or_reason("memory_allocations", "The largest-allocation list")
-    if isinstance(found, str):
-        return found
-    frame, _ = found
+    frame, _ = ctx.require("memory_allocations", "The largest-allocation list")
     fp32 = frame[frame["autocast"] == "none"]
     frame = fp32 if len(fp32) else frame
     context = int(frame["context_length"].max())

@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 
 from cs336_systems.report.analysis import paired_speedups, speedups_by_size, trend
-from cs336_systems.report.context import Context, model_order
+from cs336_systems.report.context import Context, model_order, reason_if_not_run
 from cs336_systems.report.formatting import md, not_run, provenance_line, speedup_sentences, speedup_table
 
 EXACT = 10.0
@@ -189,11 +189,9 @@ def layer_norm(found: tuple[pd.DataFrame, dict[str, Any]] | None) -> str:
     )
 
 
+@reason_if_not_run
 def bf16_timings(ctx: Context) -> str:
-    found = ctx.table_or_reason("mixed_precision_e2e", "The bf16 end-to-end benchmark")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("mixed_precision_e2e", "The bf16 end-to-end benchmark")
     order = model_order(metas)
     compared = paired_speedups(frame, "autocast", "none", "bf16", ["size", "context_length", "mode"])
     table = speedup_table(compared, order, {"baseline": "fp32 ms", "other": "bf16 autocast ms"})

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report.context import Context
+from cs336_systems.report.context import Context, reason_if_not_run
 from cs336_systems.report.formatting import capitalized, md, provenance_line, text_md
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("parallelism", "The parallelism analysis")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("parallelism", "The parallelism analysis")
     answers = frame[frame.kind == "answer"]
     lines = [
         provenance_line(metas),
@@ -37,13 +34,11 @@ def render(ctx: Context) -> str:
     return "\n".join(lines)
 
 
+@reason_if_not_run
 def checks_text(ctx: Context) -> str:
     """Pass/fail of every check per world size, the largest error, and the counted numbers beside the derived
     ones at the largest world size (rank 0)."""
-    found = ctx.table_or_reason("parallelism_checks", "The checks")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("parallelism_checks", "The checks")
     errors = frame[frame["quantity"].str.startswith("max error")]
     summary = frame.groupby("check", sort=False).agg(
         world_sizes=("world_size", lambda w: ", ".join(map(str, sorted(set(w))))),
@@ -76,13 +71,11 @@ def checks_text(ctx: Context) -> str:
     ])
 
 
+@reason_if_not_run
 def timing_text(ctx: Context) -> str:
     """Each world size and message size: both algorithms' medians, their measured ratio beside the predicted one,
     and a sentence on the largest message (the bandwidth-bound end) computed from the rows."""
-    found = ctx.table_or_reason("parallelism_timing", "The all-reduce timing")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("parallelism_timing", "The all-reduce timing")
     times = frame.pivot_table(index=["world_size", "size_mb"], columns="algorithm", values="median_ms")
     ratios = frame.groupby(["world_size", "size_mb"])[["measured_ratio", "predicted_ratio"]].first()
     table = times[["ring", "alternate"]].join(ratios).reset_index().astype({"world_size": int}).rename(columns={

@@ -14,10 +14,7 @@ CELL = ["size", "context_length", "mode"]
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("profile", "Profiling")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("profile", "Profiling")
     ok = in_model_order(frame[frame["status"] == "ok"], model_order(metas))
     on_cuda = (ok["device"] == "cuda").any()
     unit = "CUDA kernel" if on_cuda else "aten op"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.accounting.units import MIB
 from cs336_systems.report import analysis
 from cs336_systems.report.context import Context
 from cs336_systems.report.formatting import provenance_line, text_md
@@ -21,10 +22,7 @@ def _mib(value: float, sign: str = "") -> str:
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("residuals", "The residuals experiment")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("residuals", "The residuals experiment")
     p = metas[0]["params"]
     row = frame.iloc[0]
     totals = analysis.residual_totals(frame)
@@ -91,7 +89,7 @@ def agreement(totals: pd.DataFrame) -> str:
     if not {"analytic", "measured"} <= set(wide.columns) or wide.dropna().empty:
         return "_No eager configuration has both an analytic and a measured total._"
     both = wide.dropna()
-    differ = both[(both["analytic"] - both["measured"]).abs() * 2**20 >= 0.5]
+    differ = both[(both["analytic"] - both["measured"]).abs() * MIB >= 0.5]
     if differ.empty:
         return (f"The analytic count equals the measured eager total to the byte in all {len(both)} eager "
                 "configurations: every saved tensor of our RMSNorm and block is accounted for by an op's formula.")
@@ -110,7 +108,7 @@ def by_op(frame: pd.DataFrame, top: int = 12) -> str:
     columns = {}
     for attention, rows in eager.groupby("attention", sort=False):
         grouped = rows.groupby(["module_path", "saved_by"], sort=False)
-        columns[f"{attention} MiB"] = grouped["counted_bytes"].sum() / 2**20
+        columns[f"{attention} MiB"] = grouped["counted_bytes"].sum() / MIB
         columns[f"{attention} tensors"] = grouped.size()
     table = pd.DataFrame(columns).sort_values(next(iter(columns)), ascending=False).head(top)
     for name in table.columns:

@@ -8,7 +8,7 @@ import math
 import pandas as pd
 
 from cs336_systems.accounting.formulas import data_parallel_communication, values
-from cs336_systems.report.context import Context
+from cs336_systems.report.context import Context, NotRun
 from cs336_systems.report.formatting import count, provenance_line, text_md
 
 VARIANT = {
@@ -25,10 +25,10 @@ PHASE = {
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("sharding", "The optimizer state sharding benchmark")
-    if isinstance(found, str):
-        return f"{found}\n\n{zero_comparison(None)}"
-    frame, metas = found
+    try:
+        frame, metas = ctx.require("sharding", "The optimizer state sharding benchmark")
+    except NotRun as reason:  # the comparison with ZeRO stands without a measurement
+        return f"{reason}\n\n{zero_comparison(None)}"
     out = [provenance_line(metas)]
     oom = frame[frame["status"] == "OOM"]["variant"].unique()
     frame = frame[frame["status"] != "OOM"]

@@ -6,10 +6,11 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from cs336_systems.report.analysis import paired_speedups, phase_times, speedups_by_size, trend
-from cs336_systems.report.context import Context, model_order
+from cs336_systems.report.context import Context, model_order, reason_if_not_run
 from cs336_systems.report.formatting import (
     MODE_LABEL,
     md,
+    or_dash,
     phase_cell,
     provenance_line,
     span,
@@ -35,11 +36,9 @@ def render(ctx: Context) -> str:
     )
 
 
+@reason_if_not_run
 def attention(ctx: Context) -> str:
-    found = ctx.table_or_reason("attention", "The attention benchmark")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("attention", "The attention benchmark")
     if not {"eager", "compiled"} <= set(frame["variant"]):
         return "_This run did not benchmark both variants._"
     cells = phase_times(frame, ["variant", "d", "seq_len"])
@@ -49,7 +48,7 @@ def attention(ctx: Context) -> str:
         table[f"{phase} eager ms"] = eager.apply(phase_cell, axis=1, phase=phase)
         table[f"{phase} compiled ms"] = compiled.apply(phase_cell, axis=1, phase=phase).reindex(table.index)
         speedup = eager[phase] / compiled[phase].reindex(eager.index)
-        table[f"{phase} speedup"] = speedup.map(lambda s: f"{s:.2f}×" if pd.notna(s) else "—")
+        table[f"{phase} speedup"] = speedup.map(or_dash("{:.2f}×"))
     out = [
         provenance_line(metas),
         "Same grid, warm-up and timed passes as §1.2.1; `torch.compile(naive_attention)` is compiled afresh for "
@@ -92,11 +91,9 @@ def attention(ctx: Context) -> str:
     return "\n".join(out)
 
 
+@reason_if_not_run
 def transformer(ctx: Context) -> str:
-    found = ctx.table_or_reason("compile", "The compiled Transformer benchmark")
-    if isinstance(found, str):
-        return found
-    frame, metas = found
+    frame, metas = ctx.require("compile", "The compiled Transformer benchmark")
     order = model_order(metas)
     compared = paired_speedups(frame, "compile", "False", "True", ["size", "context_length", "mode"])
     table = speedup_table(compared, order, LABELS)

@@ -9,23 +9,11 @@ import math
 import numpy as np
 import pandas as pd
 
-from cs336_systems.report.context import Context
+from cs336_systems.report.context import Context, NotRun
 from cs336_systems.report.formatting import commit_text, not_measured, not_run, provenance_line, text_md
+from cs336_systems.training.stacks import STACKS
 
-LABEL = {
-    "plain": "plain TransformerLM (the spec's naive baseline)",
-    "native": "PyTorch-native stack",
-    "ours": "ours",
-    "ours_sdpa": "ours with SDPA's attention",
-    "ours_chunked_head": "ours with PyTorch's chunked head",
-    "ours_no_checkpoint": "ours without checkpointing",
-    "ours_fp32_master": "ours with float32 master weights",
-    "ours_torch_adamw": "ours with torch.optim.AdamW(fused=True)",
-    "native_fsdp": "PyTorch-native stack under FSDP2 (`fully_shard` per block, head and root)",
-    "ours_fsdp": "ours under our FSDP (compiled blocks, head and embedding as units)",
-    "ours_fsdp_sdpa": "ours under our FSDP with SDPA's attention",
-    "plain_fsdp": "plain TransformerLM under our FSDP (the spec's naive baseline)",
-}
+LABEL = {name: stack.label for name, stack in STACKS.items()}  # the one stack registry
 HEAD = {"eager": "logits, then cross_entropy", "chunked": "chunks, logits recomputed (PyTorch)",
         "fused": "fused Triton head + loss (ours)"}
 OPTIMIZER = {"torch": "torch.optim.AdamW", "torch_fused": "torch.optim.AdamW(fused=True)",
@@ -43,10 +31,10 @@ SHARDED_WHAT = "The leaderboard's training step on several GPUs"
 
 
 def render(ctx: Context) -> str:
-    found = ctx.table_or_reason("train_step", "The leaderboard's training step")
-    if isinstance(found, str):  # the sharded step still has its say
-        return "\n\n".join(part for part in (found, sharded_text(ctx)) if part)
-    frame, metas = found
+    try:
+        frame, metas = ctx.require("train_step", "The leaderboard's training step")
+    except NotRun as reason:  # the sharded step still has its say
+        return "\n\n".join(part for part in (str(reason), sharded_text(ctx)) if part)
     p = metas[0]["params"]
     cells, fits = frame[frame["kind"] == "cell"], frame[frame["kind"] == "fit"].set_index("stack")
     stacks = list(dict.fromkeys(cells["stack"]))
@@ -439,10 +427,10 @@ def sharded_text(ctx: Context) -> str:
     ranks; per stack, GPUs and depth the step, MFU, peak and our FSDP's waits, then the two-GPU goals. Nothing
     when the run has no sharded table; the reason where it was skipped."""
     lead = "**On several GPUs: the leaderboard as the spec runs it.**"
-    found = ctx.table_or_reason("train_step_sharded", SHARDED_WHAT)
-    if isinstance(found, str):
-        return "" if found == not_run(SHARDED_WHAT) else f"{lead}\n\n{found}"
-    frame, metas = found
+    try:
+        frame, metas = ctx.require("train_step_sharded", SHARDED_WHAT)
+    except NotRun as reason:
+        return "" if str(reason) == not_run(SHARDED_WHAT) else f"{lead}\n\n{reason}"
     p = metas[0]["params"]
     cells, fits = frame[frame["kind"] == "cell"], frame[frame["kind"] == "fit"]
     stacks = list(dict.fromkeys(cells["stack"]))

@@ -1,0 +1,183 @@
+"""What the 2026 leaderboard's training-step benchmark measures (experiments/train_step_benchmark.py): each
+(stack, depth) cell timed (do_bench on one GPU; a fixed step count on every rank under the launcher), its peak
+memory and clock, what one device keeps between steps, and the per-layer least-squares fit extrapolated to the
+leaderboard's depth (labelled as an extrapolation). The arguments are the CLI's (`args`)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cs336_systems.accounting.units import MIB
+from cs336_systems.measure.timing import or_oom, sync, time_steps
+from cs336_systems.parallel.fsdp import FullyShardedDataParallel
+from cs336_systems.training.stacks import (
+    DTYPES,
+    STACKS,
+    build_step,
+    component_times,
+    model_flops,
+    peak_tflops,
+)
+from cs336_systems.training.workload import TrainingStep
+
+# A cell's clock (seconds): building the model and optimizer, the first step, the CLI's start to the timing's end.
+CLOCK = ("build_s", "first_step_s", "elapsed_s")
+
+
+def time_step(step, device: torch.device, args: argparse.Namespace) -> float:
+    """Milliseconds per call of `step`: do_bench's median on one CUDA device; on several ranks the median over
+    steps of the slowest rank's time; the median of wall times elsewhere."""
+    if dist.is_initialized():
+        time_steps(step, args.warmup_steps, 0, device)
+        per_rank = torch.tensor(time_steps(step, 0, args.steps, device), device=device)
+        dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
+        return statistics.median(per_rank.tolist()) * 1e3
+    return one_device_ms(step, device, args.warmup_steps, args.steps, warmup=args.warmup_ms, rep=args.rep_ms)
+
+
+def one_device_ms(fn, device: torch.device, warmup_steps: int, steps: int, **do_bench_times) -> float:
+    """Milliseconds per call of `fn` on one device: do_bench's median on CUDA (over `do_bench_times`, its
+    defaults where none are given); elsewhere the median of `steps` wall times after `warmup_steps` calls."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median", **do_bench_times)
+    return statistics.median(time_steps(fn, warmup_steps, steps, device)) * 1e3
+
+
+def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, started_run: float) -> dict:
+    """One (stack, depth) cell: build, first step, the timed steps, peak memory, and on one device what the
+    model keeps between steps, the share of weights one more step changes and optimizer.step() alone; on
+    several ranks the largest rank's peak, clock and (our FSDP) waits. `started_run`: the CLI's start
+    (time.perf_counter())."""
+    dims = {name: getattr(args, name) for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length")}
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    started = time.perf_counter()
+    train = build_step(STACKS[stack], {**dims, "num_layers": num_layers}, args.batch_size, device,
+                       DTYPES[args.dtype], compile_blocks=not args.no_compile, head_chunk=args.head_chunk, seed=args.seed)
+    sync(device)
+    built = time.perf_counter()
+    train.train_step()  # the first step compiles and autotunes
+    sync(device)
+    clock = {"build_s": built - started, "first_step_s": time.perf_counter() - built}
+    ours = isinstance(train.model, FullyShardedDataParallel)
+    records = []
+    step = train.train_step
+    if ours:  # its waits, counted in the timed steps (a few CUDA events per unit), read after each step
+        train.model.measure_communication = True
+
+        def step() -> None:
+            train.train_step()
+            records.append(train.model.last_communication)
+
+    step_ms = time_step(step, device, args)
+    sync(device)
+    clock["elapsed_s"] = time.perf_counter() - started_run
+    peak = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else float("nan")
+    waits = {}
+    alone = {}
+    if not dist.is_initialized():  # a step that fit may still find no room for the copy: then no fraction
+        alone |= state_mib(train)
+        fraction = or_oom(lambda: updated_fraction(train))
+        alone["updated_fraction"] = float("nan") if fraction == "OOM" else fraction
+        alone["optimizer_ms"] = optimizer_ms(train, device, args)
+    if ours:
+        stats = [record.stats() for record in records[-args.steps :]]
+        waits = {f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3 for key in ("gather_wait", "sync_wait")}
+    largest = {"peak_mib": peak, **clock, **waits}
+    if dist.is_initialized():  # the largest rank's
+        by_rank = gather_to_all(list(largest.values()))
+        largest = dict(zip(largest, map(max, zip(*by_rank, strict=True)), strict=True))
+    return {"step_ms": step_ms, **largest, **alone,
+            "components": component_times(train, device) if args.components else {}}
+
+
+def state_mib(train: TrainingStep) -> dict[str, float]:
+    """MiB of what the model keeps from step to step: its weights, their gradients (still there after a step) and
+    the optimizer's state; the rest of the peak is activations and temporaries."""
+    mib = lambda tensors: sum(t.numel() * t.element_size() for t in tensors) / MIB
+    params = list(train.model.parameters())
+    return {"weights_mib": mib(params), "gradients_mib": mib(p.grad for p in params if p.grad is not None),
+            "optimizer_state_mib": mib(v for state in train.optimizer.state.values() for v in state.values()
+                                       if torch.is_tensor(v))}
+
+
+def updated_fraction(train: TrainingStep) -> float:
+    """The share of the weights that one more step changes (after the peak is read: it holds a copy of them)."""
+    before = [p.detach().clone() for p in train.model.parameters()]
+    train.train_step()
+    changed = sum(int((p.detach() != old).sum()) for p, old in zip(train.model.parameters(), before, strict=True))
+    return changed / sum(old.numel() for old in before)
+
+
+def optimizer_ms(train: TrainingStep, device: torch.device, args: argparse.Namespace) -> float:
+    """Milliseconds of `optimizer.step()` alone, on the last step's gradients (no warm-up steps off CUDA)."""
+    return one_device_ms(train.optimizer.step, device, 0, args.steps)
+
+
+def gather_to_all(values: list[float]) -> list[list[float]]:
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, values)
+    return gathered
+
+
+def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, result) -> dict:
+    s = STACKS[stack]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    flops = model_flops(vars(args), num_layers, args.context_length, args.batch_size * world)
+    peak = peak_tflops(device)
+    row = {"kind": "cell", "stack": stack, "attention": s.attention, "head": s.head, "checkpoint": s.checkpoint,
+           "compiled": s.compile_blocks and not args.no_compile, "optimizer": s.optimizer, "sharding": s.sharding,
+           "world_size": world, "num_layers": num_layers, "d_model": args.d_model,
+           "d_ff": args.d_ff, "num_heads": args.num_heads, "vocab_size": args.vocab_size,
+           "context_length": args.context_length, "batch_size": args.batch_size, "dtype": args.dtype,
+           "weights": "float32" if s.fp32_master else args.dtype, "model_tflop": flops / 1e12,
+           "step_ms": float("nan"), "peak_mib": float("nan"), "mfu": float("nan"),
+           "status": "ok", "reason": ""}
+    if result == "OOM":
+        return row | {"status": "OOM", "reason": "out of memory"}
+    row |= {key: value for key, value in result.items() if key != "components"}
+    if peak is not None:
+        row["mfu"] = flops / (result["step_ms"] / 1e3) / (world * peak * 1e12)
+    return row
+
+
+def fit_rows(cells: list[dict], extrapolate_layers: int, peak: float | None) -> list[dict]:
+    """Per stack with two depths or more measured: per-layer time (slope), and the step time and MFU
+    extrapolated to `extrapolate_layers` layers."""
+    rows = []
+    for stack in dict.fromkeys(c["stack"] for c in cells):
+        ran = [c for c in cells if c["stack"] == stack and c["status"] == "ok"]
+        depths = sorted(c["num_layers"] for c in ran)
+        if len(set(depths)) < 2:
+            continue
+        slope, intercept = np.polyfit([c["num_layers"] for c in ran], [c["step_ms"] for c in ran], 1)
+        first = ran[0]
+        world = first["world_size"]
+        flops = model_flops(first, extrapolate_layers, first["context_length"], first["batch_size"] * world)
+        step_ms = intercept + slope * extrapolate_layers
+        rows.append(first | {
+            "kind": "fit", "num_layers": extrapolate_layers, "per_layer_ms": slope, "intercept_ms": intercept,
+            "step_ms": step_ms, "peak_mib": float("nan"), "gather_wait_ms": float("nan"),
+            "sync_wait_ms": float("nan"), **dict.fromkeys(CLOCK, float("nan")), "model_tflop": flops / 1e12,
+            "mfu": flops / (step_ms / 1e3) / (world * peak * 1e12) if peak else float("nan"), "status": "extrapolated",
+            "reason": f"intercept + slope x {extrapolate_layers} layers, least squares over depths {depths}"})
+    return rows
+
+
+def compile_caches(cold: bool):
+    """Inductor's and Triton's on-disk caches in a new empty folder, removed after (PyTorch's own helper), or the
+    usual ones."""
+    if not cold:
+        return contextlib.nullcontext()
+    from torch._inductor.utils import fresh_cache  # imports triton: only once TRITON_INTERPRET is settled
+
+    return fresh_cache()
