@@ -42,7 +42,9 @@ def _number(kind: type, lowest: float, inclusive: bool, words: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
         if value < lowest or (value == lowest and not inclusive):
             raise argparse.ArgumentTypeError(f"must be {words}, got {text}")
         return value
@@ -79,17 +81,25 @@ def device(name: str) -> str:
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", type=device, default="auto", help="auto (CUDA where present), cpu, cuda or cuda:N")
+    p.add_argument(
+        "--device", type=device, default="auto", help="auto (CUDA where present), cpu, cuda or cuda:N"
+    )
 
 
 def add_model_args(p: argparse.ArgumentParser, batch_size: int = 4) -> None:
     """The flags that define a model and its batch; shared by every experiment that runs the Transformer."""
     g = p.add_argument_group("model")
-    g.add_argument("--size", choices=list(MODEL_SIZES), required=True, help="model size (cs336_systems.model.sizes)")
-    g.add_argument("--batch-size", type=positive_int, default=batch_size, help="sequences per batch (per rank)")
+    g.add_argument(
+        "--size", choices=list(MODEL_SIZES), required=True, help="model size (cs336_systems.model.sizes)"
+    )
+    g.add_argument(
+        "--batch-size", type=positive_int, default=batch_size, help="sequences per batch (per rank)"
+    )
     g.add_argument("--attention", choices=sorted(ATTENTION), default="naive")
     g.add_argument(
-        "--checkpoint", default="none", help="activation checkpointing: none, every:K, nested, selective or selective:attention"
+        "--checkpoint",
+        default="none",
+        help="activation checkpointing: none, every:K, nested, selective or selective:attention",
     )
     if isinstance(p, Parser):  # the policy is checked against the size's number of layers
         p.checks.append(lambda args: ModelConfig.from_name(args.size, checkpoint=args.checkpoint))

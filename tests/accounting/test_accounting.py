@@ -115,8 +115,12 @@ def test_sharding_prediction_per_variant_and_rank() -> None:
     assert sharding_prediction("sharded", numels, rank=1, world_size=2) == {
         "parameters": 104, "gradients": 104, "optimizer_state": 96, "communication": 156,
     }  # fmt: skip
-    assert sharding_prediction("zero", numels, rank=1, world_size=2)["optimizer_state"] == 104  # the ideal half
-    assert sharding_prediction("sharded", numels, rank=0, world_size=1)["communication"] == 0  # nothing to send
+    assert (
+        sharding_prediction("zero", numels, rank=1, world_size=2)["optimizer_state"] == 104
+    )  # the ideal half
+    assert (
+        sharding_prediction("sharded", numels, rank=0, world_size=1)["communication"] == 0
+    )  # nothing to send
 
 
 def test_fsdp_memory_per_rank_and_the_expected_saving() -> None:

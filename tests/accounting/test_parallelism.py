@@ -132,7 +132,9 @@ def test_the_cli_writes_every_answer_and_each_bound_per_hardware_and_ffn(tmp_pat
     from cs336_systems.measure.provenance import read_rows
 
     out = tmp_path / "answers.csv"
-    parallelism_analysis.main(["--hardware", "unit:1:1", "fast:2:1", "--ffn", "hand:6:8:4", "--out", str(out)])
+    parallelism_analysis.main(
+        ["--hardware", "unit:1:1", "fast:2:1", "--ffn", "hand:6:8:4", "--out", str(out)]
+    )
     frame, meta = read_rows(out)
     answers, bounds = frame[frame.kind == "answer"], frame[frame.kind == "bound"]
     assert len(answers) == len(p.all_answers())
@@ -145,7 +147,9 @@ def test_the_cli_writes_every_answer_and_each_bound_per_hardware_and_ffn(tmp_pat
     assert meta["params"]["ffn"] == [["hand", 6, 8, 4]]
 
 
-@pytest.mark.parametrize("flags", [["--hardware", "h100:1e15"], ["--hardware", "h100:-1:1"], ["--ffn", "x:1:2"]])
+@pytest.mark.parametrize(
+    "flags", [["--hardware", "h100:1e15"], ["--hardware", "h100:-1:1"], ["--ffn", "x:1:2"]]
+)
 def test_the_cli_names_a_malformed_flag(flags, capsys):
     from cs336_systems.experiments import parallelism_analysis
 
@@ -162,7 +166,9 @@ def test_the_section_renders_each_answer_as_math_and_the_bounds_table(tmp_path):
     from cs336_systems.report.sections import parallelism as section
 
     ctx = Context(run="t", results=tmp_path, out_dir=tmp_path / "report")
-    with pytest.raises(NotRun, match="has no results in this run yet"):  # report.render shows it as the section
+    with pytest.raises(
+        NotRun, match="has no results in this run yet"
+    ):  # report.render shows it as the section
         section.render(ctx)
     out = tmp_path / "parallelism" / "answers.csv"
     parallelism_analysis.main(["--hardware", "unit:1:1", "--ffn", "hand:6:8:4", "--out", str(out)])

@@ -82,7 +82,11 @@ def test_sharding_rows_set_measured_memory_beside_the_prediction():
     assert value["forward_backward", "predicted_total_bytes", None]["value"] == 104 + 104 + 208
     assert value["forward_backward", "remainder_bytes", None]["value"] == 1000 - 416
     skipped = value["after_step", "max_memory_allocated_bytes", None]
-    assert (skipped["value"], skipped["status"], skipped["reason"]) == (None, "skipped", "no allocator statistics on CPU")
+    assert (skipped["value"], skipped["status"], skipped["reason"]) == (
+        None,
+        "skipped",
+        "no allocator statistics on CPU",
+    )
     assert value["after_step", "measured_optimizer_state_bytes", None]["value"] == 216
     assert value["iteration", "predicted_communication_bytes", None]["value"] == 0  # one rank sends nothing
     assert [value["iteration", "iteration_ms", s]["value"] for s in (0, 1)] == [500, 250]
@@ -113,7 +117,9 @@ def test_phase_memory_gives_each_phase_its_own_peak():
 def test_optimizer_state_bytes_counts_the_state_inside_a_sharding_wrapper():
     params = [torch.nn.Parameter(torch.ones(10)), torch.nn.Parameter(torch.ones(3, 2))]
     for optimizer in (torch.optim.AdamW(params), ShardedOptimizer(params, torch.optim.AdamW)):
-        assert optimizer_state_bytes(optimizer, torch.device("cpu")) == 0  # AdamW's state comes with its first step
+        assert (
+            optimizer_state_bytes(optimizer, torch.device("cpu")) == 0
+        )  # AdamW's state comes with its first step
         for p in params:
             p.grad = torch.ones_like(p)
         optimizer.step()

@@ -65,7 +65,11 @@ def test_cell_rows_one_per_rank_with_the_slowest_step_and_counted_statistics():
     stats = {"gather_wait_s": 0.002, "sync_wait_s": 0.001, "bytes_all_gathered": 10.0,
              "bytes_reduce_scattered": 20.0, "bytes_all_reduced": 3.0, "bytes_activations_gathered": 0.0}  # fmt: skip
     per_rank = [
-        {"step_s": [0.10, 0.30, 0.20], "peak_mib": 100.0, "counted": [stats, {**stats, "gather_wait_s": 0.004}]},
+        {
+            "step_s": [0.10, 0.30, 0.20],
+            "peak_mib": 100.0,
+            "counted": [stats, {**stats, "gather_wait_s": 0.004}],
+        },
         {"step_s": [0.20, 0.10, 0.25], "peak_mib": 120.0, "counted": [stats, stats]},
     ]
     rows = cell_rows("ours", {"world_size": 2}, per_rank)
@@ -74,9 +78,14 @@ def test_cell_rows_one_per_rank_with_the_slowest_step_and_counted_statistics():
     for r in rows:
         assert (r["step_ms"], r["step_min_ms"], r["step_max_ms"]) == pytest.approx((250, 200, 300))
     assert [r["peak_mib"] for r in rows] == [100.0, 120.0]
-    assert [r["gather_wait_ms"] for r in rows] == [pytest.approx(3.0), pytest.approx(2.0)]  # median of the rank
+    assert [r["gather_wait_ms"] for r in rows] == [
+        pytest.approx(3.0),
+        pytest.approx(2.0),
+    ]  # median of the rank
     assert rows[0]["bytes_reduce_scattered"] == 20.0 and rows[0]["bytes_source"] == "counted"
-    cpu = cell_rows("fsdp2", {}, [{"step_s": [0.1], "peak_mib": None, "counted": [], "bytes": {"bytes_all_gathered": 5}}])
+    cpu = cell_rows(
+        "fsdp2", {}, [{"step_s": [0.1], "peak_mib": None, "counted": [], "bytes": {"bytes_all_gathered": 5}}]
+    )
     assert (cpu[0]["gather_wait_ms"], cpu[0]["bytes_source"], cpu[0]["reason"]) == (
         None, "computed", "no allocator statistics on CPU",
     )  # fmt: skip
@@ -147,7 +156,9 @@ def test_fsdp_benchmark_rows_for_every_variant_on_gloo(tmp_path: Path):
     # Exact mode gathers the same weights, and activations and output gradients instead of reducing gradients.
     assert by.loc["ours_exact", "bytes_all_gathered"] == by.loc["ours", "bytes_all_gathered"]
     assert by.loc["ours_exact", "bytes_reduce_scattered"] == by.loc["ours_exact", "bytes_all_reduced"] == 0
-    assert by.loc["ours_exact", "bytes_activations_gathered"] > 0 == by.loc["ours", "bytes_activations_gathered"]
+    assert (
+        by.loc["ours_exact", "bytes_activations_gathered"] > 0 == by.loc["ours", "bytes_activations_gathered"]
+    )
     intervals, _ = read_rows(timeline)  # no CUDA streams on the CPU: one skipped row per traced variant
     assert list(intervals["variant"]) == ["ours", "fsdp2"] and set(intervals["status"]) == {"skipped"}
     assert not (tmp_path / "traces").exists()
@@ -219,8 +230,10 @@ def test_section_states_goals_accounting_and_timeline_from_the_data(tmp_path: Pa
     assert "Our FSDP meets 1 of the 3 goals measurable at world size 2." in text
     assert "a measured saving of 299.00 MiB" in text
     # exact mode: 275 / 110 ms; 1 + 3 MiB moved against the usual mode's 1 + 2 MiB
-    assert ("**Exact mode** (bit-equal to one process's training): 275.0 ms per step, 2.50× our usual mode's "
-            "110.0 ms; it moves 4.0 MiB per rank per step against 3.0 MiB (3.0 MiB of them activations") in text  # DDP 600 MiB - ours 301 MiB (a tiny model: in MiB)
+    assert (
+        "**Exact mode** (bit-equal to one process's training): 275.0 ms per step, 2.50× our usual mode's "
+        "110.0 ms; it moves 4.0 MiB per rank per step against 3.0 MiB (3.0 MiB of them activations"
+    ) in text  # DDP 600 MiB - ours 301 MiB (a tiny model: in MiB)
     # layer 0's all-gather is hidden; layer 1 waits from the end of layer 0 (1.0 ms) for its all-gather (1.5 ms)
     assert "in 1 of 2 layers less than 0.02 ms" in text and "layer 1, 0.50 ms exposed" in text
     assert (tmp_path / "report/figures/fsdp_timeline_t.png").is_file()

@@ -139,7 +139,14 @@ def test_bad_flags_fail_before_any_work(tmp_path, capsys, flags, message):
 
 @pytest.mark.parametrize(
     "cli",
-    ["e2e_benchmark", "memory_profile", "profile_model", "ddp_benchmark", "sharding_benchmark", "fsdp_benchmark"],
+    [
+        "e2e_benchmark",
+        "memory_profile",
+        "profile_model",
+        "ddp_benchmark",
+        "sharding_benchmark",
+        "fsdp_benchmark",
+    ],
 )
 def test_every_model_cli_takes_a_size_by_name(cli, tmp_path, capsys):
     """Every CLI that builds the Transformer names its model by size (one table: cs336_systems.model.sizes)."""
@@ -176,6 +183,7 @@ def test_or_oom_turns_only_out_of_memory_into_a_marker():
 def test_provenance_names_the_commit_given_by_the_environment(monkeypatch):
     """A tree copied to a GPU machine may carry a stale .git; the commit it was sent at wins."""
     from cs336_systems.measure import provenance
+
     monkeypatch.setenv("CS336_GIT_COMMIT", "0123abc")
     assert provenance.collect()["git_commit"] == "0123abc"
     monkeypatch.delenv("CS336_GIT_COMMIT")
@@ -184,6 +192,7 @@ def test_provenance_names_the_commit_given_by_the_environment(monkeypatch):
 
 def test_a_sweep_cell_gives_its_rows_or_its_oom_rows_and_frees_memory(monkeypatch, capsys):
     from cs336_systems.measure import timing
+
     freed = []
     monkeypatch.setattr(timing, "free_memory", lambda: freed.append(True))
 

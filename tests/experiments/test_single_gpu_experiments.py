@@ -61,7 +61,9 @@ AUTOCAST_FP16_RULES = {
 
 def _observed_dtypes(tmp_path: Path, device: str, dtypes: list[str]) -> pd.DataFrame:
     out = tmp_path / "dtypes.csv"
-    mixed_precision_benchmark.main(["autocast-dtypes", "--device", device, "--dtypes", *dtypes, "--out", str(out)])
+    mixed_precision_benchmark.main(
+        ["autocast-dtypes", "--device", device, "--dtypes", *dtypes, "--out", str(out)]
+    )
     return pd.read_csv(out)
 
 

@@ -270,7 +270,10 @@ def test_rejects_bad_types_and_devices(impl):
 
 def test_triton_rejects_unsupported_head_dim_and_dtype():
     q, k, v = _qkv(d=257)
-    with pytest.raises(ValueError, match=r"head dim 257 is not supported by the Triton kernels \(they take 1 to 256\): Q \(2, 16, 257\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"head dim 257 is not supported by the Triton kernels \(they take 1 to 256\): Q \(2, 16, 257\)",
+    ):
         FlashAttentionTriton.apply(q, k, v, False)
     q, k, v = _qkv(dtype=torch.float64)
     with pytest.raises(TypeError, match=r"torch.float64 is not supported by the Triton kernels"):

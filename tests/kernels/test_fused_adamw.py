@@ -35,7 +35,10 @@ def train(optimizer_class, dtype: torch.dtype, steps: int, **options) -> list[to
 
 @launches_kernels
 def test_float32_matches_torchs_adamw():
-    ours, theirs = train(FusedAdamW, torch.float32, 6), train(torch.optim.AdamW, torch.float32, 6, foreach=False)
+    ours, theirs = (
+        train(FusedAdamW, torch.float32, 6),
+        train(torch.optim.AdamW, torch.float32, 6, foreach=False),
+    )
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
@@ -78,6 +81,9 @@ def test_kernel_tests_in_fresh_process():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not fresh_process"],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]

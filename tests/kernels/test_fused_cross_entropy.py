@@ -65,8 +65,9 @@ def test_leading_dimensions_and_a_frozen_weight():
     h, weight, targets = inputs(2 * 7, 16, 33, torch.float32, seed=1)
     weight.requires_grad_(False)
     loss = fused_linear_cross_entropy(h.detach().view(2, 7, 16).requires_grad_(), weight, targets.view(2, 7))
-    assert loss.item() == pytest.approx(F.cross_entropy(h.detach() @ weight.T, targets, reduction="sum").item(),
-                                        rel=1e-5)
+    assert loss.item() == pytest.approx(
+        F.cross_entropy(h.detach() @ weight.T, targets, reduction="sum").item(), rel=1e-5
+    )
     loss.backward()
 
 
@@ -98,6 +99,9 @@ def test_kernel_tests_in_fresh_process():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not fresh_process"],
-        env=env, capture_output=True, text=True, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]

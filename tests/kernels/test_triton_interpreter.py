@@ -106,6 +106,7 @@ def test_unpatched_interpreter_truncates_to_bf16(tmp_path):
 
 def test_enabled_reads_the_environment(monkeypatch):
     from cs336_systems.kernels import triton_interpreter
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_interpreter.enabled()
     monkeypatch.setenv("TRITON_INTERPRET", "0")

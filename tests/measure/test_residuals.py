@@ -50,8 +50,15 @@ def _compare(module_name: str, module: nn.Module, batch, seq, d, d_ff=0, heads=1
     analytic = saved_tensors.analytic_residuals(module_name, batch, seq, d, d_ff, heads, attention)
 
     def key(r):
-        return (r["module_path"], r["saved_by"], r["shape"], r["dtype"], r["is_parameter"], r["storage_bytes"],
-                r["counted_bytes"])
+        return (
+            r["module_path"],
+            r["saved_by"],
+            r["shape"],
+            r["dtype"],
+            r["is_parameter"],
+            r["storage_bytes"],
+            r["counted_bytes"],
+        )
 
     assert collections.Counter(map(key, measured)) == collections.Counter(map(key, analytic))
     assert saved_tensors.totals(measured) == saved_tensors.totals(analytic)
@@ -62,7 +69,9 @@ def test_analytic_rmsnorm_equals_measured_eager(batch, seq, d):
     _compare("rmsnorm", RMSNorm(d), batch, seq, d)
 
 
-@pytest.mark.parametrize("batch, seq, d, d_ff, heads", [(1, 5, 12, 20, 2), (3, 7, 24, 36, 3), (2, 9, 20, 44, 5)])
+@pytest.mark.parametrize(
+    "batch, seq, d, d_ff, heads", [(1, 5, 12, 20, 2), (3, 7, 24, 36, 3), (2, 9, 20, 44, 5)]
+)
 def test_analytic_block_equals_measured_eager_naive(batch, seq, d, d_ff, heads):
     cfg = ModelConfig(d_model=d, d_ff=d_ff, num_heads=heads, context_length=seq, num_layers=1)
     _compare("block", TransformerBlock(cfg), batch, seq, d, d_ff, heads)
@@ -70,13 +79,17 @@ def test_analytic_block_equals_measured_eager_naive(batch, seq, d, d_ff, heads):
 
 @pytest.mark.skipif(not flash_triton.INTERPRET, reason="triton was imported before TRITON_INTERPRET=1")
 def test_analytic_block_equals_measured_eager_flash():
-    cfg = ModelConfig(d_model=32, d_ff=40, num_heads=2, context_length=19, num_layers=1, attention="flash_triton")
+    cfg = ModelConfig(
+        d_model=32, d_ff=40, num_heads=2, context_length=19, num_layers=1, attention="flash_triton"
+    )
     _compare("block", TransformerBlock(cfg), 2, 19, 32, 40, 2, "flash_triton")
 
 
 def test_analytic_naive_block_adds_the_score_matrix_per_head():
-    one, two = (saved_tensors.totals(saved_tensors.analytic_residuals("block", 2, 8, 16, 32, h))["counted_bytes"]
-                for h in (2, 4))
+    one, two = (
+        saved_tensors.totals(saved_tensors.analytic_residuals("block", 2, 8, 16, 32, h))["counted_bytes"]
+        for h in (2, 4)
+    )
     # Two more heads: two more (T, T) score matrices per batch element in the softmax output, and RoPE's four
     # (T, d_head / 2) tables shrink as d_head halves from 8 to 4.
     assert two - one == 2 * 2 * 8 * 8 * 4 - 4 * 8 * (8 // 2 - 4 // 2) * 4
@@ -86,11 +99,32 @@ def test_analytic_naive_block_adds_the_score_matrix_per_head():
 
 def test_cli_writes_measured_and_analytic_rows(tmp_path):
     out = tmp_path / "saved_tensors.csv"
-    cli.main(["--size", "tiny", "--batch-size", "2", "--context-length", "8", "--heads", "2", "--modes", "eager",
-              "--attention", "naive", "--device", "cpu", "--out", str(out)])
+    cli.main(
+        [
+            "--size",
+            "tiny",
+            "--batch-size",
+            "2",
+            "--context-length",
+            "8",
+            "--heads",
+            "2",
+            "--modes",
+            "eager",
+            "--attention",
+            "naive",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     rows = pd.read_csv(out)
     assert set(rows["source"]) == {"measured", "analytic"} and (rows["status"] == "ok").all()
-    assert set(zip(rows["module"], rows["attention"], strict=True)) == {("rmsnorm", "none"), ("block", "naive")}
+    assert set(zip(rows["module"], rows["attention"], strict=True)) == {
+        ("rmsnorm", "none"),
+        ("block", "naive"),
+    }
     sums = rows.groupby(["module", "source"])["counted_bytes"].sum().unstack()
     assert (sums["measured"] == sums["analytic"]).all()
     assert out.with_suffix(".json").exists()
@@ -98,8 +132,26 @@ def test_cli_writes_measured_and_analytic_rows(tmp_path):
 
 def test_cli_compiled_rmsnorm_keeps_one_full_size_tensor(tmp_path):
     out = tmp_path / "saved_tensors.csv"
-    cli.main(["--size", "tiny", "--batch-size", "2", "--context-length", "8", "--heads", "2", "--modules", "rmsnorm",
-              "--modes", "compiled", "--device", "cpu", "--out", str(out)])
+    cli.main(
+        [
+            "--size",
+            "tiny",
+            "--batch-size",
+            "2",
+            "--context-length",
+            "8",
+            "--heads",
+            "2",
+            "--modules",
+            "rmsnorm",
+            "--modes",
+            "compiled",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     rows = pd.read_csv(out)
     if (rows["status"] == "skipped").all():
         pytest.skip(f"torch.compile unavailable here: {rows['reason'].iloc[0]}")
@@ -112,19 +164,45 @@ def test_cli_compiled_rmsnorm_keeps_one_full_size_tensor(tmp_path):
 def test_cli_skips_flash_at_an_unsupported_head_dim(tmp_path):
     out = tmp_path / "saved_tensors.csv"
     # small: d_model 768, so one head is 768 wide, past the kernels' 256
-    cli.main(["--size", "small", "--batch-size", "2", "--context-length", "8", "--heads", "1", "--modules", "block",
-              "--modes", "eager", "--attention", "flash", "--device", "cpu", "--out", str(out)])
+    cli.main(
+        [
+            "--size",
+            "small",
+            "--batch-size",
+            "2",
+            "--context-length",
+            "8",
+            "--heads",
+            "1",
+            "--modules",
+            "block",
+            "--modes",
+            "eager",
+            "--attention",
+            "flash",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     rows = pd.read_csv(out)
     measured = rows[rows["source"] == "measured"]
-    assert list(measured["status"]) == ["skipped"] and "head dim 768 is not supported" in measured["reason"].iloc[0]
+    assert (
+        list(measured["status"]) == ["skipped"]
+        and "head dim 768 is not supported" in measured["reason"].iloc[0]
+    )
     assert (rows.loc[rows["source"] == "analytic", "status"] == "ok").all()  # the count needs no kernel
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--heads", "3"], "--heads 3: ModelConfig.d_model=64 is not divisible by num_heads=3"),
-    (["--heads", "0"], "--heads: must be >= 1"),
-    (["--heads", "2", "--modes", "lazy"], "invalid choice: 'lazy'"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--heads", "3"], "--heads 3: ModelConfig.d_model=64 is not divisible by num_heads=3"),
+        (["--heads", "0"], "--heads: must be >= 1"),
+        (["--heads", "2", "--modes", "lazy"], "invalid choice: 'lazy'"),
+    ],
+)
 def test_cli_rejects_bad_flags_before_any_work(tmp_path, capsys, flags, message):
     out = tmp_path / "saved_tensors.csv"
     with pytest.raises(SystemExit):

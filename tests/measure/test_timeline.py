@@ -30,7 +30,14 @@ def test_a_cuda_trace_gives_the_last_steps_kernels_by_stream_with_nccl_marked():
             event("kernel", "ampere_sgemm_128x64_tn", 10, 5, tid=7, stream=7),  # the earlier step: dropped
             event("user_annotation", "traced_step_1", 200, 100),
             event("cpu_op", "aten::mm", 201, 3),  # CPU operators are not kernels
-            event("kernel", "void at::native::(anonymous namespace)::vectorized<4>(int, float*)", 210, 20, 7, stream=7),
+            event(
+                "kernel",
+                "void at::native::(anonymous namespace)::vectorized<4>(int, float*)",
+                210,
+                20,
+                7,
+                stream=7,
+            ),
             event(
                 "kernel",
                 "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
@@ -97,12 +104,36 @@ def test_a_cuda_step_gives_kernels_by_kind_and_the_layer_whose_forward_launched_
             event("cuda_driver", "cuLaunchKernelEx", 1030, 2, tid=main, correlation=4),
             event("cuda_runtime", "cudaLaunchKernel", 1110, 2, tid=main, correlation=2),
             event("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 1010, 5, tid=7, stream=7, correlation=3),
-            event("kernel", "ampere_bf16_s16816gemm_bf16_128x64_tn", 1050, 30, tid=7, stream=7, correlation=1),
-            event("kernel", "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 1040, 100,
-                  tid=20, stream=20, correlation=4),
-            event("kernel", "void at::native::vectorized<4>(int, float*)", 1150, 20, tid=7, stream=7, correlation=2),
-            event("kernel", "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 1300, 50, tid=20, stream=20,
-                  correlation=99),  # its launch is not in the trace
+            event(
+                "kernel", "ampere_bf16_s16816gemm_bf16_128x64_tn", 1050, 30, tid=7, stream=7, correlation=1
+            ),
+            event(
+                "kernel",
+                "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                1040,
+                100,
+                tid=20,
+                stream=20,
+                correlation=4,
+            ),
+            event(
+                "kernel",
+                "void at::native::vectorized<4>(int, float*)",
+                1150,
+                20,
+                tid=7,
+                stream=7,
+                correlation=2,
+            ),
+            event(
+                "kernel",
+                "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL",
+                1300,
+                50,
+                tid=20,
+                stream=20,
+                correlation=99,
+            ),  # its launch is not in the trace
         ]
     }
     rows = stream_timeline(trace, "traced_step_0", layer_prefix="fsdp_layer_")
@@ -115,7 +146,9 @@ def test_a_cuda_step_gives_kernels_by_kind_and_the_layer_whose_forward_launched_
     ]
     assert [(r["start_ms"], r["end_ms"]) for r in rows][1] == (0.04, 0.14)
     assert [r["layer"] for r in stream_timeline(trace, "traced_step_0")] == [None] * 5  # no prefix: no layers
-    assert stream_timeline({"traceEvents": trace["traceEvents"][:2]}, "traced_step_0") == []  # no kernels (CPU)
+    assert (
+        stream_timeline({"traceEvents": trace["traceEvents"][:2]}, "traced_step_0") == []
+    )  # no kernels (CPU)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +188,9 @@ def test_record_timeline_writes_a_trace_and_returns_the_last_step(tmp_path: Path
     path = tmp_path / "traces" / "toy.json"
     rows = record_timeline(step, 3, torch.device("cpu"), path)
     assert len(calls) == 3
-    names = [a["name"] for a in json.loads(path.read_text())["traceEvents"] if a.get("cat") == "user_annotation"]
+    names = [
+        a["name"] for a in json.loads(path.read_text())["traceEvents"] if a.get("cat") == "user_annotation"
+    ]
     assert {"traced_step_0", "traced_step_1", "traced_step_2"} <= set(names)
     assert [r["name"] for r in rows] == ["aten::mm", "aten::relu_"]  # the last step's outermost operators
     assert {r["lane"] for r in rows} == {"main thread"} and not any(r["communication"] for r in rows)

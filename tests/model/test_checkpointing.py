@@ -37,9 +37,12 @@ def gradients(model: TransformerLM, tokens: torch.Tensor) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "policy", ["none", "every:1", "every:2", f"every:{NUM_LAYERS}", "nested", "selective", "selective:attention"]
+    "policy",
+    ["none", "every:1", "every:2", f"every:{NUM_LAYERS}", "nested", "selective", "selective:attention"],
 )
-@pytest.mark.parametrize("attention", ["naive", "sdpa"])  # the selective policies keep fused attention's outputs
+@pytest.mark.parametrize(
+    "attention", ["naive", "sdpa"]
+)  # the selective policies keep fused attention's outputs
 def test_gradients_are_bitwise_those_of_the_plain_model(policy, attention):
     model, tokens = model_and_tokens(attention=attention)
     plain = gradients(with_policy(model, "none"), tokens)
@@ -49,7 +52,13 @@ def test_gradients_are_bitwise_those_of_the_plain_model(policy, attention):
 
 def test_every_policy_of_the_sweep_is_valid_and_the_sweep_is_complete():
     assert checkpointing.sweep(3) == [
-        "none", "every:1", "every:2", "every:3", "nested", "selective", "selective:attention"
+        "none",
+        "every:1",
+        "every:2",
+        "every:3",
+        "nested",
+        "selective",
+        "selective:attention",
     ]
     for policy in checkpointing.sweep(3):
         config(3, checkpoint=policy)
@@ -75,7 +84,9 @@ def test_selective_keeps_more_than_every_1_and_counts_its_cached_matmuls():
     # selective also keeps each block's matmul outputs, which only the SAC cache holds (no saved-tensor hook)
     assert saved("selective") > saved("every:1")
     # keeping only fused attention's outputs sits between the two
-    kept = {policy: saved(policy, attention="sdpa") for policy in ("every:1", "selective:attention", "selective")}
+    kept = {
+        policy: saved(policy, attention="sdpa") for policy in ("every:1", "selective:attention", "selective")
+    }
     assert kept["every:1"] < kept["selective:attention"] < kept["selective"]
 
 
@@ -192,9 +203,31 @@ def test_benchmark_cli_rows_on_cpu(tmp_path):
     from cs336_systems.measure.provenance import read_rows
 
     out = tmp_path / "c.csv"
-    bench.main(["--size", "tiny", "--batch-size", "2", "--context-length", "16", "--autocast", "none",
-                "--depths", "2", "3", "--policies", "none", "every:1", "nested", "--steps", "1",
-                "--device", "cpu", "--out", str(out)])
+    bench.main(
+        [
+            "--size",
+            "tiny",
+            "--batch-size",
+            "2",
+            "--context-length",
+            "16",
+            "--autocast",
+            "none",
+            "--depths",
+            "2",
+            "3",
+            "--policies",
+            "none",
+            "every:1",
+            "nested",
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     frame, meta = read_rows(out)
     cells = frame[frame["record"] == "cell"]
     assert len(cells) == 6 and (cells["status"] == "ok").all() and cells["median_ms"].gt(0).all()
@@ -212,8 +245,21 @@ def test_benchmark_cli_rejects_a_policy_beyond_a_depth(capsys):
     from cs336_systems.experiments import checkpointing_benchmark as bench
 
     with pytest.raises(SystemExit):
-        bench.parse_args(["--size", "tiny", "--context-length", "16", "--depths", "2", "4", "--policies",
-                          "every:3", "--out", "x.csv"])
+        bench.parse_args(
+            [
+                "--size",
+                "tiny",
+                "--context-length",
+                "16",
+                "--depths",
+                "2",
+                "4",
+                "--policies",
+                "every:3",
+                "--out",
+                "x.csv",
+            ]
+        )
     assert "--policies at depth 2" in capsys.readouterr().err
 
 

@@ -108,7 +108,9 @@ def test_ddp_benchmark_rows_traces_and_timeline(tmp_path: Path):
     ]  # fmt: skip
     # tiny: d_model 64, d_ff 256, 2 layers, vocab 10,000. Embedding + output 2*10000*64, per layer attention
     # 4*64*64, SwiGLU 3*64*256 and two RMSNorms 2*64, a final RMSNorm 64; fp32.
-    assert (rows["param_bytes"] == 4 * (2 * 10000 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 256 + 2 * 64) + 64)).all()
+    assert (
+        rows["param_bytes"] == 4 * (2 * 10000 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 256 + 2 * 64) + 64)
+    ).all()
     assert (rows["num_tensors"] == 3 + 2 * 7).all()  # embedding, final norm, head; 7 per block
     assert set(rows["size"]) == {"tiny"} and set(rows["d_model"]) == {64} and set(rows["num_layers"]) == {2}
     by_variant = rows.groupby("variant")

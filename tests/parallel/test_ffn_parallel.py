@@ -15,7 +15,14 @@ WORKER = Path(__file__).parents[1].joinpath("workers", "ffn_parallel_worker.py")
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 6])
 def test_every_strategy_matches_the_single_device_ffn_and_the_formulas(world_size: int):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world_size),
+    ]
     result = subprocess.run([*command, str(WORKER)], capture_output=True, text=True, timeout=240, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("FFN parallel OK on rank") == world_size, result.stdout + result.stderr

@@ -19,8 +19,9 @@ WORKER = Path(__file__).parents[1].joinpath("workers", "fsdp_worker.py")
 def launch(nproc: int, *cases: str, device: str = "cpu") -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     env = {**os.environ, "FSDP_WORKER_DEVICE": device}
-    return subprocess.run([*command, str(WORKER), *cases], capture_output=True, text=True, timeout=300, check=False,
-                          env=env)
+    return subprocess.run(
+        [*command, str(WORKER), *cases], capture_output=True, text=True, timeout=300, check=False, env=env
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])  # 1: nothing is communicated (fsdp.py's own path)
@@ -66,7 +67,9 @@ def test_the_protocol_with_cuda_tensors(world_size: int):
     assert f"OK on {world_size} ranks" in result.stdout
 
 
-def logits_gradient(logits: torch.Tensor, labels: torch.Tensor, reduction: str, divisor: int = 1) -> torch.Tensor:
+def logits_gradient(
+    logits: torch.Tensor, labels: torch.Tensor, reduction: str, divisor: int = 1
+) -> torch.Tensor:
     logits = logits.detach().requires_grad_(True)
     (nn.functional.cross_entropy(logits, labels, reduction=reduction) / divisor).backward()
     return logits.grad

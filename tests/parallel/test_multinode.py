@@ -22,10 +22,20 @@ WORKER = "tests.workers.multinode_worker"
 
 
 def launcher(*flags: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "cs336_systems.parallel.launch", "--backend", "gloo", *flags, "--", WORKER]
+    command = [
+        sys.executable,
+        "-m",
+        "cs336_systems.parallel.launch",
+        "--backend",
+        "gloo",
+        *flags,
+        "--",
+        WORKER,
+    ]
     # Own session: on failure the whole tree (launcher -> torchrun -> ranks) is killed, no orphan left behind.
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def finish(processes: list[subprocess.Popen], timeout: float = 240) -> list[str]:
@@ -53,8 +63,9 @@ def test_two_nodes_train_fsdp_as_one_node_does(tmp_path: Path):
     finish([launcher("--nproc", "2", "--out", str(one_node))])
     two_nodes = tmp_path / "two_nodes.pt"
     rendezvous = ["--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", uuid.uuid4().hex]
-    outputs = finish([launcher("--nnodes", "2", "--nproc", "1", *rendezvous, "--out", str(two_nodes))
-                      for _ in range(2)])
+    outputs = finish(
+        [launcher("--nnodes", "2", "--nproc", "1", *rendezvous, "--out", str(two_nodes)) for _ in range(2)]
+    )
     said = "".join(outputs)
     assert "rank 0 of 2 on node" in said and "rank 1 of 2 on node" in said, said
     assert "on node 0" in said and "on node 1" in said, said
@@ -65,6 +76,7 @@ def test_two_nodes_train_fsdp_as_one_node_does(tmp_path: Path):
 
 def test_several_nodes_need_a_rendezvous(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch):
     from cs336_systems.parallel import launch
+
     monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(SystemExit):

@@ -17,7 +17,14 @@ WORKER = Path(__file__).parents[1].joinpath("workers", "ring_worker.py")
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 6])
 def test_ring_collectives_match_torch_distributed_and_the_formulas(world_size: int):
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world_size),
+    ]
     result = subprocess.run([*command, str(WORKER)], capture_output=True, text=True, timeout=180, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("ring collectives OK on rank") == world_size, result.stdout + result.stderr
@@ -40,14 +47,35 @@ def test_the_timing_cli_writes_both_algorithms_beside_the_predicted_ratio(tmp_pa
 
     assert [predicted_ratio(n) for n in (2, 4, 6)] == [1.0, 2.0, 3.0]  # N / 2
     out = tmp_path / "timing.csv"
-    command = [sys.executable, "-m", "cs336_systems.parallel.launch", "--nproc", "3", "--backend", "gloo", "--out", str(out),
-               "--", "cs336_systems.experiments.ring_allreduce_timing", "--sizes-mb", "0.001", "0.1",
-               "--warmup", "0", "--iters", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "cs336_systems.parallel.launch",
+        "--nproc",
+        "3",
+        "--backend",
+        "gloo",
+        "--out",
+        str(out),
+        "--",
+        "cs336_systems.experiments.ring_allreduce_timing",
+        "--sizes-mb",
+        "0.001",
+        "0.1",
+        "--warmup",
+        "0",
+        "--iters",
+        "2",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     rows, _ = read_rows(out)
     assert sorted(zip(rows["size_mb"], rows["algorithm"], strict=True)) == [
-        (0.001, "alternate"), (0.001, "ring"), (0.1, "alternate"), (0.1, "ring")]
+        (0.001, "alternate"),
+        (0.001, "ring"),
+        (0.1, "alternate"),
+        (0.1, "ring"),
+    ]
     medians = rows.set_index(["size_mb", "algorithm"])["median_ms"]
     for _, row in rows.iterrows():
         assert row["predicted_ratio"] == 1.5 and row["world_size"] == 3

@@ -111,7 +111,9 @@ def test_sharding_benchmark_cli_on_cpu(tmp_path: Path) -> None:
         "backend", "device", "warmup", "variant", "rank", "phase", "step", "quantity", "value", "unit", "status",
         "reason",
     ]  # fmt: skip
-    assert set(rows["size"]) == {"tiny"} and set(rows["num_params"]) == {ModelConfig.from_name("tiny").num_parameters()}
+    assert set(rows["size"]) == {"tiny"} and set(rows["num_params"]) == {
+        ModelConfig.from_name("tiny").num_parameters()
+    }
     assert set(rows["variant"]) == {"unsharded", "sharded", "zero"} and set(rows["rank"]) == {0, 1}
     times = rows[rows["quantity"] == "iteration_ms"]
     assert len(times) == 3 * 2 * 2 and (times["value"] > 0).all()  # variants x ranks x steps

@@ -182,15 +182,18 @@ def test_phase_times_means_and_the_phase_that_ran_out_of_memory():
 
 
 def test_analysis_picks_the_best_k_and_its_neighbours():
-    cells = pd.DataFrame({
-        "policy": ["selective", "every:2", "none", "every:1", "every:3", "nested"],
-        "status": ["ok", "ok", "OOM", "ok", "OOM", "ok"],
-        "forward_backward_peak_mib": [30.0, 12.0, None, 14.0, None, 11.0],
-        "median_ms": [5.0, 6.0, None, 6.5, None, 8.0],
-        "saved_bytes": [1, 1, 1, 1, 1, 1],
-    })
-    block = pd.Series({"num_layers": 3, "residual_bytes": 10 * 2**20, "checkpoint_bytes": 2**20,
-                       "grad_bytes_per_block": 0})
+    cells = pd.DataFrame(
+        {
+            "policy": ["selective", "every:2", "none", "every:1", "every:3", "nested"],
+            "status": ["ok", "ok", "OOM", "ok", "OOM", "ok"],
+            "forward_backward_peak_mib": [30.0, 12.0, None, 14.0, None, 11.0],
+            "median_ms": [5.0, 6.0, None, 6.5, None, 8.0],
+            "saved_bytes": [1, 1, 1, 1, 1, 1],
+        }
+    )
+    block = pd.Series(
+        {"num_layers": 3, "residual_bytes": 10 * 2**20, "checkpoint_bytes": 2**20, "grad_bytes_per_block": 0}
+    )
     table = analysis.checkpointing_cells(cells, block)
     assert list(table["policy"]) == ["none", "every:1", "every:2", "every:3", "nested", "selective"]
     assert list(table["predicted_mib"][:3]) == [30.0, 12.0, 20.0]  # N R; (N-1) c + R; c + 2R... max(20, 11)
@@ -206,15 +209,34 @@ def test_analysis_picks_the_best_k_and_its_neighbours():
 def _residual_rows(mode, shapes_bytes, module="block", attention="naive", heads=3):
     """Measured residual rows: (storage_bytes, counted, is_parameter_object) per saved tensor, batch 2, context 4,
     d_model 8, d_ff 16."""
-    return [{"module": module, "attention": attention, "heads": heads, "mode": mode, "source": "measured",
-             "status": "ok", "batch_size": 2, "context_length": 4, "d_model": 8, "d_ff": 16, "dtype": "float32",
-             "bytes": size, "storage_bytes": size, "counted": counted, "counted_bytes": size if counted else 0,
-             "is_parameter_object": parameter} for size, counted, parameter in shapes_bytes]
+    return [
+        {
+            "module": module,
+            "attention": attention,
+            "heads": heads,
+            "mode": mode,
+            "source": "measured",
+            "status": "ok",
+            "batch_size": 2,
+            "context_length": 4,
+            "d_model": 8,
+            "d_ff": 16,
+            "dtype": "float32",
+            "bytes": size,
+            "storage_bytes": size,
+            "counted": counted,
+            "counted_bytes": size if counted else 0,
+            "is_parameter_object": parameter,
+        }
+        for size, counted, parameter in shapes_bytes
+    ]
 
 
 def test_residual_totals_count_storages_once_and_the_handout_way_counts_every_save():
     btd = 2 * 4 * 8 * 4
-    frame = pd.DataFrame(_residual_rows("eager", [(btd, True, False), (btd, False, False), (32, False, True)]))
+    frame = pd.DataFrame(
+        _residual_rows("eager", [(btd, True, False), (btd, False, False), (32, False, True)])
+    )
     [row] = analysis.residual_totals(frame).to_dict("records")
     assert row["counted_mib"] * 2**20 == btd and row["handout_mib"] * 2**20 == 2 * btd
     assert (row["tensors"], row["storages"], row["status"]) == (3, 1, "ok")
@@ -234,9 +256,11 @@ def test_residual_size_class_names_formulas_and_joins_equal_ones():
 
 def test_fusion_changes_pair_eager_and_compiled_by_size():
     btd, btf = 2 * 4 * 8 * 4, 2 * 4 * 16 * 4
-    frame = pd.DataFrame(_residual_rows("eager", [(btd, True, False), (btd, True, False), (btf, True, False)])
-                         + _residual_rows("compiled", [(btd, True, False), (btf, True, False)])
-                         + _residual_rows("eager", [(btd, True, False)], attention="flash"))  # no compiled pair
+    frame = pd.DataFrame(
+        _residual_rows("eager", [(btd, True, False), (btd, True, False), (btf, True, False)])
+        + _residual_rows("compiled", [(btd, True, False), (btf, True, False)])
+        + _residual_rows("eager", [(btd, True, False)], attention="flash")
+    )  # no compiled pair
     changes = analysis.fusion_changes(analysis.residuals_by_size(frame)).set_index("size_class")
     assert set(changes["attention"]) == {"naive"}
     assert changes.loc["B·T·d", ["eager_tensors", "compiled_tensors"]].tolist() == [2, 1]
@@ -269,7 +293,11 @@ def test_gather_exposure_per_forward_layer_and_over_the_step():
     kernels.loc[len(kernels)] = ("memcpy", 6.0, 6.5, None, 20)
     layers, summary = analysis.gather_exposure(kernels)
     assert list(layers["layer"]) == [0, 1, 2]
-    assert list(zip(layers["window_start_ms"], layers["window_end_ms"], strict=True)) == [(0, 2), (2, 4), (4, 5)]
+    assert list(zip(layers["window_start_ms"], layers["window_end_ms"], strict=True)) == [
+        (0, 2),
+        (2, 4),
+        (4, 5),
+    ]
     assert list(layers["exposed_ms"]) == pytest.approx([0.1, 0.5, 0.0])
     assert list(layers["in_time"]) == [False, False, True]
     assert (summary["layers"], summary["layers_in_time"], summary["worst_layer"]) == (3, 1, 1)
@@ -281,7 +309,9 @@ def test_gather_exposure_per_forward_layer_and_over_the_step():
     with_sync, synced = analysis.gather_exposure(kernels)
     assert with_sync.equals(layers) and synced["step_exposed_ms"] == pytest.approx(1.1)
     _, none = analysis.gather_exposure(kernels.assign(layer=None))  # no layer annotations: the step only
-    assert none["layers"] == 0 and none["worst_layer"] is None and none["step_exposed_ms"] == pytest.approx(1.1)
+    assert (
+        none["layers"] == 0 and none["worst_layer"] is None and none["step_exposed_ms"] == pytest.approx(1.1)
+    )
 
 
 def test_fsdp_goals_pass_fail_and_not_measured():
@@ -297,7 +327,9 @@ def test_fsdp_goals_pass_fail_and_not_measured():
     goals = analysis.fsdp_goals(cells).set_index("goal")
     assert list(goals["passed"]) == [True, True, True]  # 100 <= 110; 1000 <= 1008; 4 < 5
     assert goals.loc["peak memory ≤ FSDP2's + 5 %", "bound"] == pytest.approx(1008)
-    one = analysis.fsdp_goals(cells.assign(world_size=1, peak_mib=math.nan, gather_wait_ms=5.0)).set_index("goal")
+    one = analysis.fsdp_goals(cells.assign(world_size=1, peak_mib=math.nan, gather_wait_ms=5.0)).set_index(
+        "goal"
+    )
     # on one rank also the overhead over the floor: 100 >= 1.05 * 90; no peaks (CPU): not measured
     assert one.loc["overhead over the unwrapped model < 5 %", "passed"] is False
     assert one.loc["peak memory ≤ FSDP2's + 5 %", "passed"] is None

@@ -29,7 +29,9 @@ def cell(stack, step_ms, peak_mib=NAN, mfu=NAN, layers=34, world=2, status="ok")
 
 def sharded(tmp_path: Path, rows, params=PARAMS) -> str:
     write_rows(pd.DataFrame(rows), tmp_path / "results/train_step_sharded/n2.csv", params)
-    return train_step.sharded_text(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
+    return train_step.sharded_text(
+        Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report")
+    )
 
 
 def goal(text: str, name: str) -> list[str]:
@@ -43,8 +45,9 @@ def goal(text: str, name: str) -> list[str]:
 
 def test_ours_meeting_every_two_gpu_goal(tmp_path):
     # 4.0 s <= 4.2 s; 4.0 <= 0.92 x 5.0 = 4.6 s; 100 GiB < 135 GiB
-    text = sharded(tmp_path, [cell("native_fsdp", 5000.0, 120 * 1024, 0.40),
-                              cell("ours_fsdp", 4000.0, 100 * 1024, 0.50)])
+    text = sharded(
+        tmp_path, [cell("native_fsdp", 5000.0, 120 * 1024, 0.40), cell("ours_fsdp", 4000.0, 100 * 1024, 0.50)]
+    )
     assert text.startswith("_Measured on ")
     assert "**On several GPUs: the leaderboard as the spec runs it.**" in text
     assert "Ours meets 3 of the 3 two-GPU goals." in text
@@ -52,7 +55,9 @@ def test_ours_meeting_every_two_gpu_goal(tmp_path):
     assert goal(text, "peak memory per GPU")[1:] == ["100.0 GiB", "< 135 GiB", "pass"]
     assert "ours takes 80.0% of the native stack's time (4.00 s against 5.00 s), 20.0% faster" in text
     # FSDP2's waits are not counted; ours are
-    assert re.search(r"PyTorch-native stack under FSDP2 .*\| 40.0% +\| 120.0 +\| not counted +\| not counted", text)
+    assert re.search(
+        r"PyTorch-native stack under FSDP2 .*\| 40.0% +\| 120.0 +\| not counted +\| not counted", text
+    )
     assert re.search(r"\| ours under our FSDP .*\| 4.00 +\| 50.0% +\| 100.0 +\| 1.5 +\| 2.5 +\|", text)
 
 
@@ -67,7 +72,10 @@ def test_ours_slower_than_the_native_stack_fails_the_8_percent_goal(tmp_path):
 
 def test_out_of_memory_at_the_leaderboard_depth_meets_no_goal(tmp_path):
     text = sharded(tmp_path, [cell("native_fsdp", 5000.0, 120 * 1024), cell("ours_fsdp", NAN, status="OOM")])
-    assert "Ours meets 0 of the 3 two-GPU goals: it did not complete a step at 34 layers on 2 GPUs (OOM)." in text
+    assert (
+        "Ours meets 0 of the 3 two-GPU goals: it did not complete a step at 34 layers on 2 GPUs (OOM)."
+        in text
+    )
     assert re.search(r"\| ours under our FSDP .*\| OOM +\|", text)
     assert "ours takes" not in text  # nothing to compare with
 
@@ -81,7 +89,10 @@ def test_a_small_cpu_run_is_described_but_not_judged(tmp_path):
     params = {**PARAMS, "d_model": 64, "d_ff": 96, "num_heads": 4, "vocab_size": 97, "context_length": 32,
               "dtype": "float32", "num_layers": [1, 2]}  # fmt: skip
     text = sharded(tmp_path, rows, params)
-    assert "The two-GPU goals are judged only at 34 layers on 2 GPUs; this run had 1 and 2 layers on 2 ranks." in text
+    assert (
+        "The two-GPU goals are judged only at 34 layers on 2 GPUs; this run had 1 and 2 layers on 2 ranks."
+        in text
+    )
     assert "two-GPU goals." not in text  # no goal table
     assert "ours under our FSDP (compiled blocks, head and embedding as units), 6.80 s at 34 layers" in text
     assert "at 2 layers on 2" in text and "ours takes 1,500.0% of the native stack's time" in text
@@ -106,66 +117,171 @@ def test_the_section_shows_the_sharded_step_without_the_one_gpu_table(tmp_path):
 
 
 def test_our_attentions_worth_in_the_sharded_step(tmp_path):
-    text = sharded(tmp_path, [cell("native_fsdp", 4689.0, 131_000, 0.51), cell("ours_fsdp", 5136.0, 131_000, 0.47),
-                              cell("ours_fsdp_sdpa", 4603.0, 131_000, 0.52)])
-    assert "Our FlashAttention against SDPA's, the rest of ours the same: +0.53 s per step at 34 layers on 2 ranks (+11.6%)" in text
+    text = sharded(
+        tmp_path,
+        [
+            cell("native_fsdp", 4689.0, 131_000, 0.51),
+            cell("ours_fsdp", 5136.0, 131_000, 0.47),
+            cell("ours_fsdp_sdpa", 4603.0, 131_000, 0.52),
+        ],
+    )
+    assert (
+        "Our FlashAttention against SDPA's, the rest of ours the same: +0.53 s per step at 34 layers on 2 ranks (+11.6%)"
+        in text
+    )
 
 
 def test_what_float32_master_weights_keep(tmp_path):
     """The one-GPU table's stack and cell columns, and the sentence on the updates bf16 weights lose."""
-    base = {"kind": "cell", "attention": "flash_triton", "head": "fused", "checkpoint": "selective", "compiled": True,
-            "batch_size": 1, "peak_mib": 1024.0, "mfu": 0.5, "status": "ok", "reason": ""}
-    rows = [base | {"stack": stack, "num_layers": layers, "step_ms": 100.0 * layers + extra, "weights": weights,
-                    "updated_fraction": fraction}
-            for stack, weights, extra, fraction in (("ours", "bfloat16", 0, 0.25),
-                                                    ("ours_fp32_master", "float32", 50, 1.0))
-            for layers in (2, 4)]
-    params = {**PARAMS, "num_layers": [2, 4], "stacks": ["ours", "ours_fp32_master"], "warmup_ms": 1, "rep_ms": 1}
+    base = {
+        "kind": "cell",
+        "attention": "flash_triton",
+        "head": "fused",
+        "checkpoint": "selective",
+        "compiled": True,
+        "batch_size": 1,
+        "peak_mib": 1024.0,
+        "mfu": 0.5,
+        "status": "ok",
+        "reason": "",
+    }
+    rows = [
+        base
+        | {
+            "stack": stack,
+            "num_layers": layers,
+            "step_ms": 100.0 * layers + extra,
+            "weights": weights,
+            "updated_fraction": fraction,
+        }
+        for stack, weights, extra, fraction in (
+            ("ours", "bfloat16", 0, 0.25),
+            ("ours_fp32_master", "float32", 50, 1.0),
+        )
+        for layers in (2, 4)
+    ]
+    params = {
+        **PARAMS,
+        "num_layers": [2, 4],
+        "stacks": ["ours", "ours_fp32_master"],
+        "warmup_ms": 1,
+        "rep_ms": 1,
+    }
     write_rows(pd.DataFrame(rows), tmp_path / "results/train_step/all.csv", params)
     text = train_step.render(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
     assert "float32, compute in bfloat16 (autocast)" in text
     assert "| 25.0%" in text and "| 100.0%" in text
-    assert "changes 25.0% of the bf16 weights of ours and 100.0% of the float32 master weights at 4 layers" in text
+    assert (
+        "changes 25.0% of the bf16 weights of ours and 100.0% of the float32 master weights at 4 layers"
+        in text
+    )
 
 
 def test_our_adamw_against_torchs(tmp_path):
-    base = {"kind": "cell", "attention": "flash_triton", "head": "fused", "checkpoint": "selective", "compiled": True,
-            "batch_size": 1, "peak_mib": 1024.0, "mfu": 0.5, "status": "ok", "reason": "", "weights": "bfloat16"}
-    rows = [base | {"stack": stack, "optimizer": optimizer, "num_layers": layers, "step_ms": 100.0 * layers,
-                    "optimizer_ms": ms * layers}
-            for stack, optimizer, ms in (("ours", "ours", 1.5), ("ours_torch_adamw", "torch_fused", 2.0))
-            for layers in (2, 4)]
-    params = {**PARAMS, "num_layers": [2, 4], "stacks": ["ours", "ours_torch_adamw"], "warmup_ms": 1, "rep_ms": 1}
+    base = {
+        "kind": "cell",
+        "attention": "flash_triton",
+        "head": "fused",
+        "checkpoint": "selective",
+        "compiled": True,
+        "batch_size": 1,
+        "peak_mib": 1024.0,
+        "mfu": 0.5,
+        "status": "ok",
+        "reason": "",
+        "weights": "bfloat16",
+    }
+    rows = [
+        base
+        | {
+            "stack": stack,
+            "optimizer": optimizer,
+            "num_layers": layers,
+            "step_ms": 100.0 * layers,
+            "optimizer_ms": ms * layers,
+        }
+        for stack, optimizer, ms in (("ours", "ours", 1.5), ("ours_torch_adamw", "torch_fused", 2.0))
+        for layers in (2, 4)
+    ]
+    params = {
+        **PARAMS,
+        "num_layers": [2, 4],
+        "stacks": ["ours", "ours_torch_adamw"],
+        "warmup_ms": 1,
+        "rep_ms": 1,
+    }
     write_rows(pd.DataFrame(rows), tmp_path / "results/train_step/all.csv", params)
     text = train_step.render(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
     assert "| optimizer step (ms)" in text and "| 6.0 " in text
     assert "| our Triton AdamW " in text and "| torch.optim.AdamW(fused=True) " in text  # the stack table
-    assert ("`optimizer.step()` alone takes 6.0 ms against 8.0 ms at 4 layers (0.75×); the faster is ours." in text)
+    assert (
+        "`optimizer.step()` alone takes 6.0 ms against 8.0 ms at 4 layers (0.75×); the faster is ours."
+        in text
+    )
 
 
 def test_whole_layers_by_measurement(tmp_path):
     """A whole layer costs 2 GiB and saves 3 ms (one-GPU slopes of ours without checkpointing against ours); ours
     under our FSDP peaks at 128 GiB of the 135 GiB goal: room for 3 whole layers, 9 ms of a 5 s step."""
-    one_gpu = [{"kind": "cell", "stack": stack, "num_layers": layers, "status": "ok", "step_ms": 100.0 * layers,
-                "peak_mib": (base + per_layer * layers) * 1024.0}
-               for stack, base, per_layer in (("ours", 20, 4), ("ours_no_checkpoint", 20, 6)) for layers in (2, 4, 8)]
-    one_gpu += [{"kind": "fit", "stack": stack, "num_layers": 34, "status": "extrapolated", "per_layer_ms": ms}
-                for stack, ms in (("ours", 130.0), ("ours_no_checkpoint", 127.0))]
-    write_rows(pd.DataFrame(one_gpu), tmp_path / "results/train_step/all.csv", {**PARAMS, "num_layers": [2, 4, 8]})
+    one_gpu = [
+        {
+            "kind": "cell",
+            "stack": stack,
+            "num_layers": layers,
+            "status": "ok",
+            "step_ms": 100.0 * layers,
+            "peak_mib": (base + per_layer * layers) * 1024.0,
+        }
+        for stack, base, per_layer in (("ours", 20, 4), ("ours_no_checkpoint", 20, 6))
+        for layers in (2, 4, 8)
+    ]
+    one_gpu += [
+        {"kind": "fit", "stack": stack, "num_layers": 34, "status": "extrapolated", "per_layer_ms": ms}
+        for stack, ms in (("ours", 130.0), ("ours_no_checkpoint", 127.0))
+    ]
+    write_rows(
+        pd.DataFrame(one_gpu), tmp_path / "results/train_step/all.csv", {**PARAMS, "num_layers": [2, 4, 8]}
+    )
     text = sharded(tmp_path, [cell("ours_fsdp", 5000.0, 128 * 1024, 0.40)])
-    assert ("costs 2.00 GiB more peak memory than a selectively checkpointed one and saves 3.0 ms of step time" in text)
-    assert "7.0 GiB below the 135 GiB goal: by these slopes, room for 3 whole layer(s), worth 9.0 ms per step" in text
+    assert (
+        "costs 2.00 GiB more peak memory than a selectively checkpointed one and saves 3.0 ms of step time"
+        in text
+    )
+    assert (
+        "7.0 GiB below the 135 GiB goal: by these slopes, room for 3 whole layer(s), worth 9.0 ms per step"
+        in text
+    )
     assert "(0.18% of its 5.00 s)" in text
 
 
 def test_check_table_states_bounds_and_failures(tmp_path):
-    rows = [{"stack": stack, "quantity": q, "error": error, "yardstick": 0.01, "bound": 0.02 + 1e-5,
-             "passed": error <= 0.02 + 1e-5, "dtype": "bfloat16", "steps": 20}
-            for stack, error in (("ours", 0.015), ("ours_sdpa", 0.03)) for q in ("loss", "gradients", "weights",
-                                                                                  "loss_curve")]
-    params = {"d_model": 256, "d_ff": 688, "num_heads": 2, "num_layers": 2, "vocab_size": 1009,
-              "context_length": 515, "batch_size": 2, "steps": 20, "dtype": "bfloat16", "tolerance": 2.0,
-              "floor": 1e-5}
+    rows = [
+        {
+            "stack": stack,
+            "quantity": q,
+            "error": error,
+            "yardstick": 0.01,
+            "bound": 0.02 + 1e-5,
+            "passed": error <= 0.02 + 1e-5,
+            "dtype": "bfloat16",
+            "steps": 20,
+        }
+        for stack, error in (("ours", 0.015), ("ours_sdpa", 0.03))
+        for q in ("loss", "gradients", "weights", "loss_curve")
+    ]
+    params = {
+        "d_model": 256,
+        "d_ff": 688,
+        "num_heads": 2,
+        "num_layers": 2,
+        "vocab_size": 1009,
+        "context_length": 515,
+        "batch_size": 2,
+        "steps": 20,
+        "dtype": "bfloat16",
+        "tolerance": 2.0,
+        "floor": 1e-5,
+    }
     write_rows(pd.DataFrame(rows), tmp_path / "results/train_step_check/check.csv", params)
     text = train_step.check_text(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
     assert "the bound is 2 × the plain model's own error in bfloat16" in text and "+ 1e-05" in text
@@ -178,68 +294,141 @@ def test_check_table_states_bounds_and_failures(tmp_path):
 def test_cold_run_against_the_ten_minute_rule_and_the_fit(tmp_path):
     """Ours ran in 420 s from empty caches, the native stack in 650 s; ours's fit (100 + 120 ms per layer) predicts
     2,980 ms at 24 layers, where ours measured 3,129 ms (+5%)."""
-    fits = pd.DataFrame([{"stack": "ours", "intercept_ms": 100.0, "per_layer_ms": 120.0},
-                         {"stack": "native", "intercept_ms": 300.0, "per_layer_ms": 110.0}]).set_index("stack")
-    rows = [{"kind": "cell", "stack": stack, "num_layers": 24, "status": "ok", "step_ms": step, "peak_mib": 9e4,
-             "mfu": 0.5, "build_s": 12.0, "first_step_s": first, "elapsed_s": elapsed}
-            for stack, step, first, elapsed in (("ours", 3129.0, 95.0, 420.0), ("native", 2940.0, 300.0, 650.0))]
-    rows.append({"kind": "cell", "stack": "plain", "num_layers": 24, "status": "OOM", "step_ms": NAN, "peak_mib": NAN,
-                 "mfu": NAN, "build_s": NAN, "first_step_s": NAN, "elapsed_s": NAN})
+    fits = pd.DataFrame(
+        [
+            {"stack": "ours", "intercept_ms": 100.0, "per_layer_ms": 120.0},
+            {"stack": "native", "intercept_ms": 300.0, "per_layer_ms": 110.0},
+        ]
+    ).set_index("stack")
+    rows = [
+        {
+            "kind": "cell",
+            "stack": stack,
+            "num_layers": 24,
+            "status": "ok",
+            "step_ms": step,
+            "peak_mib": 9e4,
+            "mfu": 0.5,
+            "build_s": 12.0,
+            "first_step_s": first,
+            "elapsed_s": elapsed,
+        }
+        for stack, step, first, elapsed in (("ours", 3129.0, 95.0, 420.0), ("native", 2940.0, 300.0, 650.0))
+    ]
+    rows.append(
+        {
+            "kind": "cell",
+            "stack": "plain",
+            "num_layers": 24,
+            "status": "OOM",
+            "step_ms": NAN,
+            "peak_mib": NAN,
+            "mfu": NAN,
+            "build_s": NAN,
+            "first_step_s": NAN,
+            "elapsed_s": NAN,
+        }
+    )
     params = {**PARAMS, "num_layers": [24], "warmup_ms": 10000, "rep_ms": 30000}
     for stack in ("ours", "native", "plain"):
-        write_rows(pd.DataFrame([r for r in rows if r["stack"] == stack]),
-                   tmp_path / f"results/train_step_cold/{stack}.csv", params)
-    text = train_step.cold_text(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"), fits)
+        write_rows(
+            pd.DataFrame([r for r in rows if r["stack"] == stack]),
+            tmp_path / f"results/train_step_cold/{stack}.csv",
+            params,
+        )
+    text = train_step.cold_text(
+        Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"), fits
+    )
     assert "the spec's 10 s of warm-up and 30 s of repetition" in text
-    assert re.search(r"\| ours +\| 24 +\| 12.0 +\| 95.0 +\| 3,129.0 +\| 87.9 +\| 50.0% +\| 420 +\| pass", text)
+    assert re.search(
+        r"\| ours +\| 24 +\| 12.0 +\| 95.0 +\| 3,129.0 +\| 87.9 +\| 50.0% +\| 420 +\| pass", text
+    )
     assert re.search(r"\| PyTorch-native stack +\| 24 .*\| 650 +\| FAIL", text)
     assert re.search(r"\| plain TransformerLM .*\| OOM +\| — +\| — +\| — +\| —", text)
     assert "Over the 10 minutes: PyTorch-native stack took 650 s, 300 s of them in the first step." in text
     assert "ours 3,129.0 ms measured against 2,980.0 ms predicted (+5.0%)" in text
     assert "PyTorch-native stack 2,940.0 ms measured against 2,940.0 ms predicted (±0.0%)" in text
     assert "(The fit comes" not in text  # no commits given: nothing to tell apart
-    elsewhere = train_step.cold_text(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"),
-                                     fits, {"0123456789"})
+    elsewhere = train_step.cold_text(
+        Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"), fits, {"0123456789"}
+    )
     assert "(The fit comes from the run at 0123456789, this measurement from the run at " in elsewhere
     native = pd.DataFrame([r for r in rows if r["stack"] == "native"]).assign(elapsed_s=500.0)
     write_rows(native, tmp_path / "results/train_step_cold/native.csv", params)
-    text = train_step.cold_text(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"), fits)
-    assert ("Every run that fitted ended within the 10 minutes; the longest: PyTorch-native stack took 500 s, 300 s "
-            "of them in the first step." in text)
+    text = train_step.cold_text(
+        Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"), fits
+    )
+    assert (
+        "Every run that fitted ended within the 10 minutes; the longest: PyTorch-native stack took 500 s, 300 s "
+        "of them in the first step." in text
+    )
 
 
 def test_peak_memory_by_what_holds_it(tmp_path):
     """At 4 layers ours holds 10 GiB of state in a 30 GiB peak (20 GiB of activations and temporaries), native 10 in
     36 (26): ours holds 6 GiB fewer."""
-    base = {"kind": "cell", "attention": "flash_triton", "head": "fused", "checkpoint": "selective", "compiled": True,
-            "batch_size": 1, "mfu": 0.5, "status": "ok", "reason": "", "weights": "bfloat16", "step_ms": 100.0}
-    rows = [base | {"stack": stack, "num_layers": layers, "peak_mib": peak * 1024 * layers / 4,
-                    "weights_mib": 2.5 * 1024 * layers / 4, "gradients_mib": 2.5 * 1024 * layers / 4,
-                    "optimizer_state_mib": 5.0 * 1024 * layers / 4}
-            for stack, peak in (("ours", 30.0), ("native", 36.0)) for layers in (2, 4)]
+    base = {
+        "kind": "cell",
+        "attention": "flash_triton",
+        "head": "fused",
+        "checkpoint": "selective",
+        "compiled": True,
+        "batch_size": 1,
+        "mfu": 0.5,
+        "status": "ok",
+        "reason": "",
+        "weights": "bfloat16",
+        "step_ms": 100.0,
+    }
+    rows = [
+        base
+        | {
+            "stack": stack,
+            "num_layers": layers,
+            "peak_mib": peak * 1024 * layers / 4,
+            "weights_mib": 2.5 * 1024 * layers / 4,
+            "gradients_mib": 2.5 * 1024 * layers / 4,
+            "optimizer_state_mib": 5.0 * 1024 * layers / 4,
+        }
+        for stack, peak in (("ours", 30.0), ("native", 36.0))
+        for layers in (2, 4)
+    ]
     params = {**PARAMS, "num_layers": [2, 4], "stacks": ["native", "ours"], "warmup_ms": 1, "rep_ms": 1}
     write_rows(pd.DataFrame(rows), tmp_path / "results/train_step/all.csv", params)
     text = train_step.render(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
     assert "**Peak memory at 4 layers by what holds it.**" in text
     assert re.search(r"\| ours +\| 2.5 +\| 2.5 +\| 5.0 +\| 20.0 +\| 30.0 +\|", text)
     assert re.search(r"\| PyTorch-native stack +\| 2.5 +\| 2.5 +\| 5.0 +\| 26.0 +\| 36.0 +\|", text)
-    assert ("Ours against the PyTorch-native stack at 4 layers: activations and temporaries −6.0 GiB, weights, "
-            "gradients and AdamW state ±0.0 GiB." in text)
+    assert (
+        "Ours against the PyTorch-native stack at 4 layers: activations and temporaries −6.0 GiB, weights, "
+        "gradients and AdamW state ±0.0 GiB." in text
+    )
 
 
 def test_one_gpu_goals_and_the_layer_that_would_meet_the_step_goal(tmp_path):
     """Ours: 200 ms + 130 ms per layer = 4.62 s at 34 layers; meeting 4.2 s needs (4200 − 200) / 34 = 117.6 ms per
     layer, 12.4 ms less. The native stack's 120 ms layer is the fastest, 2.4 ms above that bound."""
-    fits = pd.DataFrame([{"stack": stack, "num_layers": 34, "intercept_ms": intercept, "per_layer_ms": per_layer,
-                          "step_ms": intercept + 34 * per_layer}
-                         for stack, intercept, per_layer in (("ours", 200.0, 130.0), ("native", 330.0, 120.0))])
+    fits = pd.DataFrame(
+        [
+            {
+                "stack": stack,
+                "num_layers": 34,
+                "intercept_ms": intercept,
+                "per_layer_ms": per_layer,
+                "step_ms": intercept + 34 * per_layer,
+            }
+            for stack, intercept, per_layer in (("ours", 200.0, 130.0), ("native", 330.0, 120.0))
+        ]
+    )
     text = train_step.goal_text(fits.set_index("stack"))
     assert goal(text, "per-layer time")[1:] == ["130.0 ms", "120.0 ms", "FAIL"]
     assert goal(text, "34-layer step")[1:] == ["4.62 s", "≤ 4.2 s", "FAIL"]
     assert "Ours meets 0 of the 2 one-GPU goals." in text
-    assert ("would have to take ((4.2 s − its 200.0 ms intercept) / 34 =) at most 117.6 ms, 12.4 ms less than it "
-            "does. The fastest layer in this run takes 120.0 ms (PyTorch-native stack), 2.4 ms above that bound."
-            in text)
+    assert (
+        "would have to take ((4.2 s − its 200.0 ms intercept) / 34 =) at most 117.6 ms, 12.4 ms less than it "
+        "does. The fastest layer in this run takes 120.0 ms (PyTorch-native stack), 2.4 ms above that bound."
+        in text
+    )
     fits.loc[0, "per_layer_ms"], fits.loc[0, "step_ms"] = 115.0, 200.0 + 34 * 115.0  # 4.11 s: both goals met
     text = train_step.goal_text(fits.set_index("stack"))
     assert "Ours meets 2 of the 2 one-GPU goals." in text and "would have to take" not in text

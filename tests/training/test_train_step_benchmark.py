@@ -30,8 +30,9 @@ DIMS = {"d_model": 64, "d_ff": 96, "num_layers": 2, "num_heads": 4, "vocab_size"
 
 def one_step(stack: str) -> tuple[float, dict, dict]:
     """Loss, gradients and updated weights of one step from the same weights and batch (batch 2, float32)."""
-    train = build_step(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=False,
-                       head_chunk=16)
+    train = build_step(
+        STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=False, head_chunk=16
+    )
     train.optimizer.zero_grad(set_to_none=True)
     loss = train.loss()
     loss.backward()
@@ -53,15 +54,26 @@ def test_every_stack_trains_as_the_plain_model(stack: str):
         torch.testing.assert_close(their_weights[name], weights[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize(("stack", "compiled"), [("plain_fsdp", False), ("native_fsdp", False),
-                                                ("ours_fsdp", False), ("ours_fsdp", True)])
+@pytest.mark.parametrize(
+    ("stack", "compiled"),
+    [("plain_fsdp", False), ("native_fsdp", False), ("ours_fsdp", False), ("ours_fsdp", True)],
+)
 def test_sharded_stacks_train_as_the_unsharded_ones(stack: str, compiled: bool):
     """Two ranks (gloo), each on its own sequence, against the same stack unsharded on both sequences
     (tests/workers/train_step_worker.py): summed loss and updated full weights. Compiled: our FSDP's hooks stay outside
     the compiled blocks, the units."""
     worker = Path(__file__).parents[1].joinpath("workers", "train_step_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker),
-               stack, *(["--compile"] if compiled else [])]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(worker),
+        stack,
+        *(["--compile"] if compiled else []),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK on 2 ranks" in result.stdout
@@ -72,8 +84,15 @@ def test_twenty_steps_give_the_plain_models_loss_curve():
     """Training, not one step: 20 AdamW steps on a fixed batch (the loss falls) by each of the main stacks."""
     curves = {}
     for stack in ("plain", "native", "ours"):
-        train = build_step(STACKS[stack], {**DIMS, "num_layers": 1}, 2, torch.device("cpu"), torch.float32,
-                          compile_blocks=False, head_chunk=16)
+        train = build_step(
+            STACKS[stack],
+            {**DIMS, "num_layers": 1},
+            2,
+            torch.device("cpu"),
+            torch.float32,
+            compile_blocks=False,
+            head_chunk=16,
+        )
         curves[stack] = torch.stack([train.train_step() for _ in range(20)])
     assert curves["plain"][-1] < 0.95 * curves["plain"][0]  # lr 1e-4: it learns, slowly
     for stack in ("native", "ours"):
@@ -84,8 +103,12 @@ def test_twenty_steps_give_the_plain_models_loss_curve():
 @pytest.mark.parametrize("stack", ["native", "ours"])
 def test_compiled_checkpointed_blocks_compute_what_eager_ones_do(stack: str):
     """torch.compile traces each block with its selective checkpoint (`_CheckpointedBlock`)."""
-    steps = [build_step(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=compiled,
-                       head_chunk=16) for compiled in (True, False)]
+    steps = [
+        build_step(
+            STACKS[stack], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=compiled, head_chunk=16
+        )
+        for compiled in (True, False)
+    ]
     losses = []
     for train in steps:
         losses.append(train.loss())
@@ -103,12 +126,14 @@ def test_float32_master_weights_keep_the_updates_bf16_weights_lose():
     fp32_loss = one_step("plain")[0]
     moved = {}
     for stack in ("ours", "ours_fp32_master"):
-        train = build_step(STACKS[stack], DIMS, 2, torch.device("cpu"), torch.bfloat16, compile_blocks=False,
-                          head_chunk=16)
+        train = build_step(
+            STACKS[stack], DIMS, 2, torch.device("cpu"), torch.bfloat16, compile_blocks=False, head_chunk=16
+        )
         before = {n: p.detach().clone() for n, p in train.model.named_parameters()}
         loss = train.train_step()
-        moved[stack] = {n: (p.detach() != before[n]).float().mean().item()
-                        for n, p in train.model.named_parameters()}
+        moved[stack] = {
+            n: (p.detach() != before[n]).float().mean().item() for n, p in train.model.named_parameters()
+        }
         if stack == "ours_fp32_master":
             assert {p.dtype for p in train.model.parameters()} == {torch.float32}
             assert {p.grad.dtype for p in train.model.parameters()} == {torch.float32}
@@ -130,11 +155,37 @@ def test_model_flops_is_the_handouts_formula():
 @launches_kernels
 def test_cli_writes_cells_and_the_per_layer_fit(tmp_path: Path):
     out = tmp_path / "steps.csv"
-    train_step_benchmark.main([
-        "--out", str(out), "--d-model", "32", "--d-ff", "48", "--num-heads", "2", "--vocab-size", "61",
-        "--context-length", "16", "--num-layers", "1", "2", "--batch-size", "2", "--stacks", "plain", "ours",
-        "--dtype", "float32", "--no-compile", "--steps", "1", "--extrapolate-layers", "34",
-    ])
+    train_step_benchmark.main(
+        [
+            "--out",
+            str(out),
+            "--d-model",
+            "32",
+            "--d-ff",
+            "48",
+            "--num-heads",
+            "2",
+            "--vocab-size",
+            "61",
+            "--context-length",
+            "16",
+            "--num-layers",
+            "1",
+            "2",
+            "--batch-size",
+            "2",
+            "--stacks",
+            "plain",
+            "ours",
+            "--dtype",
+            "float32",
+            "--no-compile",
+            "--steps",
+            "1",
+            "--extrapolate-layers",
+            "34",
+        ]
+    )
     rows = pd.read_csv(out)
     cells, fits = rows[rows["kind"] == "cell"], rows[rows["kind"] == "fit"].set_index("stack")
     assert len(cells) == 4 and (cells["status"] == "ok").all() and (cells["step_ms"] > 0).all()
@@ -144,8 +195,10 @@ def test_cli_writes_cells_and_the_per_layer_fit(tmp_path: Path):
     # are Python numbers); the deeper model holds more
     assert (cells["gradients_mib"] == cells["weights_mib"]).all()
     assert ((cells["optimizer_state_mib"] - 2 * cells["weights_mib"]).abs() < 1e-3).all()
-    assert cells.set_index(["stack", "num_layers"])["weights_mib"].loc[("ours", 2)] > cells.set_index(
-        ["stack", "num_layers"])["weights_mib"].loc[("ours", 1)]
+    assert (
+        cells.set_index(["stack", "num_layers"])["weights_mib"].loc[("ours", 2)]
+        > cells.set_index(["stack", "num_layers"])["weights_mib"].loc[("ours", 1)]
+    )
     for stack, ran in cells.groupby("stack"):
         two, one = ran.set_index("num_layers")["step_ms"].loc[[2, 1]]
         assert fits.loc[stack, "per_layer_ms"] == pytest.approx(two - one)
@@ -170,28 +223,82 @@ def test_cli_clocks_each_cell_from_empty_caches(tmp_path: Path, monkeypatch):
 
     monkeypatch.setattr(torch._inductor.utils, "fresh_cache", contextlib.contextmanager(watched_fresh_cache))
     out = tmp_path / "cold.csv"
-    train_step_benchmark.main([
-        "--out", str(out), "--d-model", "32", "--d-ff", "48", "--num-heads", "2", "--vocab-size", "61",
-        "--context-length", "16", "--num-layers", "1", "2", "--batch-size", "2", "--stacks", "ours",
-        "--dtype", "float32", "--no-compile", "--steps", "1", "--cold-cache", "--device", "cpu",
-    ])
+    train_step_benchmark.main(
+        [
+            "--out",
+            str(out),
+            "--d-model",
+            "32",
+            "--d-ff",
+            "48",
+            "--num-heads",
+            "2",
+            "--vocab-size",
+            "61",
+            "--context-length",
+            "16",
+            "--num-layers",
+            "1",
+            "2",
+            "--batch-size",
+            "2",
+            "--stacks",
+            "ours",
+            "--dtype",
+            "float32",
+            "--no-compile",
+            "--steps",
+            "1",
+            "--cold-cache",
+            "--device",
+            "cpu",
+        ]
+    )
     assert len(seen) == 1 and not os.path.exists(seen[0])
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != seen[0]
     rows = pd.read_csv(out)
     cells = rows[rows["kind"] == "cell"].set_index("num_layers")
     assert (cells[["build_s", "first_step_s"]] > 0).all().all()
     # the run's clock keeps going from cell to cell, past each one's build and first step
-    assert cells.loc[2, "elapsed_s"] > cells.loc[1, "elapsed_s"] + cells.loc[2, "build_s"] + cells.loc[2, "first_step_s"]
+    assert (
+        cells.loc[2, "elapsed_s"]
+        > cells.loc[1, "elapsed_s"] + cells.loc[2, "build_s"] + cells.loc[2, "first_step_s"]
+    )
     assert rows.loc[rows["kind"] == "fit", ["build_s", "first_step_s", "elapsed_s"]].isna().all().all()
 
 
 def test_components_split_a_profiled_step(tmp_path: Path):
     out = tmp_path / "parts.csv"
-    train_step_benchmark.main([
-        "--out", str(out), "--d-model", "32", "--d-ff", "48", "--num-heads", "2", "--vocab-size", "61",
-        "--context-length", "16", "--num-layers", "2", "--batch-size", "2", "--stacks", "native", "--dtype",
-        "float32", "--no-compile", "--steps", "1", "--components", "--device", "cpu",
-    ])
+    train_step_benchmark.main(
+        [
+            "--out",
+            str(out),
+            "--d-model",
+            "32",
+            "--d-ff",
+            "48",
+            "--num-heads",
+            "2",
+            "--vocab-size",
+            "61",
+            "--context-length",
+            "16",
+            "--num-layers",
+            "2",
+            "--batch-size",
+            "2",
+            "--stacks",
+            "native",
+            "--dtype",
+            "float32",
+            "--no-compile",
+            "--steps",
+            "1",
+            "--components",
+            "--device",
+            "cpu",
+        ]
+    )
     rows = pd.read_csv(out)
     parts = rows[rows["kind"] == "component"].set_index("component")["component_ms"]
     assert set(parts.index) == {"attention", "head + loss", "optimizer", "matmul", "elementwise and other"}
@@ -212,8 +319,9 @@ def test_kernels_are_sorted_into_components():
 
 def test_bad_dimensions_are_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture):
     with pytest.raises(SystemExit):
-        train_step_benchmark.main(["--out", str(tmp_path / "x.csv"), "--d-model", "30", "--num-heads", "4",
-                                   "--num-layers", "1"])
+        train_step_benchmark.main(
+            ["--out", str(tmp_path / "x.csv"), "--d-model", "30", "--num-heads", "4", "--num-layers", "1"]
+        )
     assert "--d-model 30 must split into --num-heads 4 heads" in capsys.readouterr().err
 
 
@@ -221,8 +329,25 @@ def test_bad_dimensions_are_refused_before_any_work(tmp_path: Path, capsys: pyte
 def test_check_cli_passes_correct_stacks_and_fails_a_wrong_one(tmp_path: Path, monkeypatch):
     """train_step_check on the CPU in float32: native and ours pass every check against the float32 plain model;
     a stack whose optimizer steps ten times too far passes the loss and gradients and fails the weights."""
-    args = ["--d-model", "64", "--d-ff", "96", "--num-heads", "4", "--vocab-size", "97", "--context-length", "19",
-            "--steps", "3", "--dtype", "float32", "--no-compile", "--device", "cpu"]
+    args = [
+        "--d-model",
+        "64",
+        "--d-ff",
+        "96",
+        "--num-heads",
+        "4",
+        "--vocab-size",
+        "97",
+        "--context-length",
+        "19",
+        "--steps",
+        "3",
+        "--dtype",
+        "float32",
+        "--no-compile",
+        "--device",
+        "cpu",
+    ]
     train_step_check.main([*args, "--stacks", "native", "ours", "--out", str(tmp_path / "ok.csv")])
     rows = pd.read_csv(tmp_path / "ok.csv")
     assert set(rows["quantity"]) == {"loss", "gradients", "weights", "loss_curve"} and len(rows) == 8
@@ -250,6 +375,9 @@ def test_kernel_tests_in_fresh_process():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not fresh_process"],
-        env=env, capture_output=True, text=True, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]

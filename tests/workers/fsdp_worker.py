@@ -114,7 +114,10 @@ def batches(steps: int, world: int):
     rank, n = dist.get_rank(), 20 if 20 % world == 0 else 21
     g = torch.Generator().manual_seed(1234)
     for _ in range(steps):
-        ids, targets = torch.randint(VOCAB, (n, SEQ), generator=g), torch.randint(VOCAB, (n, SEQ), generator=g)
+        ids, targets = (
+            torch.randint(VOCAB, (n, SEQ), generator=g),
+            torch.randint(VOCAB, (n, SEQ), generator=g),
+        )
         mine = slice(rank * n // world, (rank + 1) * n // world)
         yield (ids, targets), (ids[mine], targets[mine])
 
@@ -132,7 +135,9 @@ def assert_fp32_equal(actual: torch.Tensor, expected: torch.Tensor, label: str) 
     real error (a gradient not averaged, a shard misplaced) is orders of magnitude larger."""
     scale = expected.abs().max().item()
     error = (actual - expected).abs().max().item()
-    assert error <= 8 * torch.finfo(torch.float32).eps * scale, f"{label} differs by {error:.3g} (max |x| {scale:.3g})"
+    assert error <= 8 * torch.finfo(torch.float32).eps * scale, (
+        f"{label} differs by {error:.3g} (max |x| {scale:.3g})"
+    )
 
 
 def check_gradients(fsdp: FullyShardedDataParallel, label: str) -> None:
@@ -141,19 +146,26 @@ def check_gradients(fsdp: FullyShardedDataParallel, label: str) -> None:
     for name, p in fsdp.module.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and p.grad.shape == p.data.shape and p.grad.dtype == torch.float32, (
-                f"{label}: {name} grad {None if p.grad is None else (tuple(p.grad.shape), p.grad.dtype)}")
+                f"{label}: {name} grad {None if p.grad is None else (tuple(p.grad.shape), p.grad.dtype)}"
+            )
     for p in fsdp.replicated:
         everyone = [torch.empty_like(p.grad) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, p.grad)
-        assert all(torch.equal(g, p.grad) for g in everyone), f"{label}: replicated gradients differ across ranks"
+        assert all(torch.equal(g, p.grad) for g in everyone), (
+            f"{label}: replicated gradients differ across ranks"
+        )
 
 
 def power_of_two(world: int) -> bool:
     return world & (world - 1) == 0
 
 
-def train_against_reference(optimizer_name: str, freeze: str | None = None, steps: int = 3, exact: bool = False,
-                            ) -> None:
+def train_against_reference(
+    optimizer_name: str,
+    freeze: str | None = None,
+    steps: int = 3,
+    exact: bool = False,
+) -> None:
     """fp32 training equals single-process training: up to the order of additions in the usual mode, to the bit
     in exact mode where each rank's share of the mean loss is exact (a power-of-two world; else see
     test_fsdp.py)."""
@@ -223,7 +235,8 @@ def compute_dtype(dtype: torch.dtype, tolerance: float) -> None:
         for name, p in master.named_parameters():
             assert full[name].dtype == torch.float32, f"{name}: master weights must stay float32"
             assert torch.allclose(full[name], p.detach(), atol=tolerance, rtol=tolerance), (
-                f"{dtype} step {step}: {name} differs by {(full[name] - p).abs().max().item():.3g}")
+                f"{dtype} step {step}: {name} differs by {(full[name] - p).abs().max().item():.3g}"
+            )
 
 
 def check_prefetch_rule(fsdp: FullyShardedDataParallel, forward: list, backward: list) -> None:
@@ -237,7 +250,9 @@ def check_prefetch_rule(fsdp: FullyShardedDataParallel, forward: list, backward:
         if kind == "gather" and position >= 2:
             done = forward.index(("forward_done", order[position - 2]))
             assert done < forward.index((kind, index)), f"unit {index} gathered too early: {forward}"
-    assert sorted(i for kind, i in backward if kind == "gather") == sorted(order), f"one gather each: {backward}"
+    assert sorted(i for kind, i in backward if kind == "gather") == sorted(order), (
+        f"one gather each: {backward}"
+    )
     for kind, index in backward:
         position = order.index(index)
         if kind == "gather" and position + 2 < len(order):
@@ -266,7 +281,12 @@ def prefetch_rule() -> None:
     (ids, targets), (my_ids, my_targets) = next(batches(1, dist.get_world_size()))
     for _ in range(2):  # the second step prefetches by the order the first one recorded
         forward, backward = recorded_step(fsdp, my_ids, my_targets)
-    assert [fsdp.weights[i].name for i in fsdp.order] == ["embed.weight", "up.weight", "down.weight", "head.weight"]
+    assert [fsdp.weights[i].name for i in fsdp.order] == [
+        "embed.weight",
+        "up.weight",
+        "down.weight",
+        "head.weight",
+    ]
     check_prefetch_rule(fsdp, forward, backward)
 
 
@@ -332,7 +352,9 @@ def bf16_weights() -> None:
         for name, p in reference.named_parameters():
             assert full[name].dtype == torch.bfloat16, f"{name}: stored as {full[name].dtype}"
             error = (full[name].float() - p.float()).abs().max().item()
-            assert error <= 2e-2 * p.float().abs().max().item(), f"bf16 step {step}: {name} differs by {error:.3g}"
+            assert error <= 2e-2 * p.float().abs().max().item(), (
+                f"bf16 step {step}: {name} differs by {error:.3g}"
+            )
 
 
 def our_transformer() -> None:
@@ -344,7 +366,9 @@ def our_transformer() -> None:
     reference = copy.deepcopy(model)
     fsdp = FullyShardedDataParallel(model)
     sharded = {w.name for w in fsdp.weights}
-    assert "embedding.weight" in sharded and "lm_head.weight" in sharded and "blocks.0.ffn.w1.weight" in sharded, sharded
+    assert (
+        "embedding.weight" in sharded and "lm_head.weight" in sharded and "blocks.0.ffn.w1.weight" in sharded
+    ), sharded
     optimizer = OPTIMIZERS["sgd"](fsdp.parameters())
     reference_optimizer = OPTIMIZERS["sgd"](reference.parameters())
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -418,7 +442,9 @@ def exact_refusals() -> None:
     try:
         FullyShardedDataParallel(Scaled(), exact=True)
     except ValueError as error:
-        assert "the wrapped module (Scaled) holds replicated parameters and contains sharded layers" in str(error)
+        assert "the wrapped module (Scaled) holds replicated parameters and contains sharded layers" in str(
+            error
+        )
     else:
         raise AssertionError("exact mode accepted a module with replicated parameters around sharded layers")
     FullyShardedDataParallel(Scaled())  # the usual mode all-reduces that gradient: nothing to refuse
@@ -471,7 +497,9 @@ def protocol_batches(world: int, steps: int):
         ids, labels = ids[order], labels[order]
 
 
-def last_position_loss(logits: torch.Tensor, labels: torch.Tensor, global_batch: int | None = None) -> torch.Tensor:
+def last_position_loss(
+    logits: torch.Tensor, labels: torch.Tensor, global_batch: int | None = None
+) -> torch.Tensor:
     """Cross-entropy on the last position: the mean over these sequences, or with `global_batch` their sum over
     the whole batch's size."""
     last = logits[:, -1, :].float()
@@ -489,8 +517,10 @@ def protocol(optimizer_name: str, dtype: torch.dtype | None = None, tolerance: f
     whole batch's size, and the wrapper sums (gradient_divide_factor=1)."""
     world = dist.get_world_size()
     summed = dtype is None and not power_of_two(world)
-    optimizers = {"sgd": lambda params: torch.optim.SGD(params, lr=0.01),
-                  "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2)}
+    optimizers = {
+        "sgd": lambda params: torch.optim.SGD(params, lr=0.01),
+        "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2),
+    }
     torch.manual_seed(42)
     base = ProtocolLM().to(DEVICE)
     reference = copy.deepcopy(base)
@@ -498,8 +528,10 @@ def protocol(optimizer_name: str, dtype: torch.dtype | None = None, tolerance: f
         fsdp = FullyShardedDataParallel(copy.deepcopy(base), exact=True, gradient_divide_factor=1)
     else:
         fsdp = adapters.get_fsdp(copy.deepcopy(base), compute_dtype=dtype)
-    optimizer, reference_optimizer = optimizers[optimizer_name](fsdp.parameters()), optimizers[optimizer_name](
-        reference.parameters())
+    optimizer, reference_optimizer = (
+        optimizers[optimizer_name](fsdp.parameters()),
+        optimizers[optimizer_name](reference.parameters()),
+    )
     label = f"protocol {optimizer_name} {dtype or 'fp32'} on {world} ranks"
     for step, ((ids, labels), (my_ids, my_labels)) in enumerate(protocol_batches(world, 3)):
         optimizer.zero_grad(set_to_none=True)
@@ -518,10 +550,12 @@ def protocol(optimizer_name: str, dtype: torch.dtype | None = None, tolerance: f
             assert full[name].dtype == torch.float32, f"{label}: {name} stored as {full[name].dtype}"
             if dtype is None:
                 assert torch.equal(full[name], p.detach()), (
-                    f"{label} step {step}: {name} differs by {(full[name] - p).abs().max().item():.3g}")
+                    f"{label} step {step}: {name} differs by {(full[name] - p).abs().max().item():.3g}"
+                )
             else:
                 assert torch.allclose(full[name], p.detach(), atol=tolerance, rtol=tolerance), (
-                    f"{label} step {step}: {name} differs by {(full[name] - p).abs().max().item():.3g}")
+                    f"{label} step {step}: {name} differs by {(full[name] - p).abs().max().item():.3g}"
+                )
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -562,7 +596,8 @@ def torch_nn_bf16() -> None:
         reference_loss.backward()
         dist.all_reduce(loss := loss.detach().clone())
         assert abs(loss.item() / world - reference_loss.item()) <= 1e-2 * reference_loss.item(), (
-            f"torch.nn bf16 step {step}: loss {loss.item() / world} against {reference_loss.item()}")
+            f"torch.nn bf16 step {step}: loss {loss.item() / world} against {reference_loss.item()}"
+        )
         if step == 0:
             expected = {name: p.grad for name, p in reference.named_parameters()}
             for weight in fsdp.weights:  # a shard's gradient against its chunk of the whole gradient
@@ -579,11 +614,15 @@ def torch_nn_bf16() -> None:
     for name, p in reference.named_parameters():
         assert full[name].dtype == torch.float32, f"{name}: master weights must stay float32"
         error = relative_error(full[name] - initial[name], p.detach() - initial[name])
-        assert error <= 0.25, f"torch.nn bf16: {name}'s change over 3 AdamW steps differs by {error:.3g} (relative)"
+        assert error <= 0.25, (
+            f"torch.nn bf16: {name}'s change over 3 AdamW steps differs by {error:.3g} (relative)"
+        )
 
 
 CASES = {
-    "equality": lambda: [train_against_reference(name, exact=exact) for name in OPTIMIZERS for exact in (False, True)],
+    "equality": lambda: [
+        train_against_reference(name, exact=exact) for name in OPTIMIZERS for exact in (False, True)
+    ],
     "frozen": lambda: train_against_reference("adamw", freeze="down"),
     "compute_dtype": lambda: (compute_dtype(torch.float16, 1e-4), compute_dtype(torch.bfloat16, 1e-3)),
     "prefetch": prefetch_rule,
@@ -593,7 +632,10 @@ CASES = {
     "tied": tied,
     "anomaly": anomaly_mode,
     "protocol": lambda: [protocol(name) for name in ("sgd", "adamw")],
-    "protocol_low_precision": lambda: (protocol("sgd", torch.float16, 1e-4), protocol("sgd", torch.bfloat16, 1e-4)),
+    "protocol_low_precision": lambda: (
+        protocol("sgd", torch.float16, 1e-4),
+        protocol("sgd", torch.bfloat16, 1e-4),
+    ),
     "torch_nn_bf16": torch_nn_bf16,
     "exact_transformer": exact_transformer,
     "exact_refusals": exact_refusals,

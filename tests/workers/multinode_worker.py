@@ -30,7 +30,10 @@ def main() -> None:
             fsdp.finish_gradient_synchronization()
             optimizer.step()
         full = fsdp.gather_full_params()
-        print(f"rank {dist.get_rank()} of {dist.get_world_size()} on node {os.environ['GROUP_RANK']}", flush=True)
+        print(
+            f"rank {dist.get_rank()} of {dist.get_world_size()} on node {os.environ['GROUP_RANK']}",
+            flush=True,
+        )
         if dist.get_rank() == 0:
             torch.save(full, args.out)
 

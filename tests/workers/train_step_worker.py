@@ -29,19 +29,29 @@ DIMS = {"d_model": 64, "d_ff": 96, "num_layers": 2, "num_heads": 4, "vocab_size"
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if isinstance(model, FullyShardedDataParallel):
         return model.gather_full_params()
-    return {name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-            for name, p in model.named_parameters()}
+    return {
+        name: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        for name, p in model.named_parameters()
+    }
 
 
 def main(stack_name: str, compiled: bool) -> None:
     with distributed(backend="gloo", timeout_s=600) as ctx:
         stack = STACKS[stack_name]
-        make = lambda s: build_step(s, DIMS, 1, ctx.device, torch.float32, compile_blocks=compiled, head_chunk=16)
+        make = lambda s: build_step(
+            s, DIMS, 1, ctx.device, torch.float32, compile_blocks=compiled, head_chunk=16
+        )
         sharded = make(stack)
         whole = make(dataclasses.replace(stack, sharding="none"))
         # the unsharded model sees every rank's sequence (build_step draws rank r's from seed + r)
-        ids = [torch.randint(DIMS["vocab_size"], (1, DIMS["context_length"] + 1),
-                             generator=torch.Generator().manual_seed(r)) for r in range(ctx.world_size)]
+        ids = [
+            torch.randint(
+                DIMS["vocab_size"],
+                (1, DIMS["context_length"] + 1),
+                generator=torch.Generator().manual_seed(r),
+            )
+            for r in range(ctx.world_size)
+        ]
         whole.batch = torch.cat(ids)[:, :-1], torch.cat(ids)[:, 1:]
         for step in range(2):
             loss = sharded.train_step()
@@ -50,14 +60,24 @@ def main(stack_name: str, compiled: bool) -> None:
             expected = whole.loss()
             (expected / ctx.world_size).backward()
             whole.optimizer.step()
-            torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=0, msg=f"{stack_name} loss, step {step}")
+            torch.testing.assert_close(
+                loss, expected.detach(), rtol=1e-5, atol=0, msg=f"{stack_name} loss, step {step}"
+            )
             mine, theirs = full_weights(sharded.model), dict(whole.model.named_parameters())
-            assert mine.keys() == theirs.keys(), (mine.keys() ^ theirs.keys())
+            assert mine.keys() == theirs.keys(), mine.keys() ^ theirs.keys()
             for name, weight in mine.items():
-                torch.testing.assert_close(weight, theirs[name].detach(), rtol=1e-4, atol=1e-6,
-                                           msg=lambda m, n=name, k=step: f"{stack_name} step {k}, {n}: {m}")
+                torch.testing.assert_close(
+                    weight,
+                    theirs[name].detach(),
+                    rtol=1e-4,
+                    atol=1e-6,
+                    msg=lambda m, n=name, k=step: f"{stack_name} step {k}, {n}: {m}",
+                )
         if ctx.is_main:
-            print(f"TRAIN STEP {stack_name}{' compiled' if compiled else ''} OK on {ctx.world_size} ranks", flush=True)
+            print(
+                f"TRAIN STEP {stack_name}{' compiled' if compiled else ''} OK on {ctx.world_size} ranks",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

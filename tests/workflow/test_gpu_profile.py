@@ -82,5 +82,8 @@ def test_gpu_profile_plans_every_gpu_job_with_the_gpus_it_needs(tmp_path):
     assert gpu["e2e_benchmark"] == gpu["flash_benchmark"] == gpu["naive_ddp_check"] == 1
     assert gpu["communication_accounting"] == gpu["writeup"] == gpu["mixed_precision_accumulation"] == 0
     # ...but an NCCL job still pins all the GPUs it needs, and a single-GPU job one.
-    assert "pin_gpus 2; python -m cs336_systems.parallel.launch --nproc 2 --backend nccl" in blocks["naive_ddp_check"]
+    assert (
+        "pin_gpus 2; python -m cs336_systems.parallel.launch --nproc 2 --backend nccl"
+        in blocks["naive_ddp_check"]
+    )
     assert "pin_gpus 1; python -m cs336_systems.experiments.e2e_benchmark" in blocks["e2e_benchmark"]

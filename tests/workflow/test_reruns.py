@@ -74,12 +74,26 @@ CODE_EDITS = [
     ("experiments/memory_profile.py", {"memory_profile": 1}),
     ("experiments/communication_accounting_analysis.py", {"communication_accounting": 1}),
     # the residuals study (2026 §3.1) and the leaderboard's training step (§9) also run our FlashAttention
-    ("kernels/flash_triton.py", {"flash_benchmark": 2, "flash_leaderboard": 1, "flash_peers": 2, "flash_ncu": 1,
-                                 "residuals": 1, "train_step": 3, "train_step_components": 1,
-                                 "train_step_sharded": 1, "train_step_check": 1, "train_step_cold": 1}),
+    (
+        "kernels/flash_triton.py",
+        {
+            "flash_benchmark": 2,
+            "flash_leaderboard": 1,
+            "flash_peers": 2,
+            "flash_ncu": 1,
+            "residuals": 1,
+            "train_step": 3,
+            "train_step_components": 1,
+            "train_step_sharded": 1,
+            "train_step_check": 1,
+            "train_step_cold": 1,
+        },
+    ),
     ("measure/ncu.py", {"flash_ncu": 1}),
-    ("experiments/train_step_benchmark.py", {"train_step": 3, "train_step_components": 1, "train_step_sharded": 1,
-                                             "train_step_cold": 1}),
+    (
+        "experiments/train_step_benchmark.py",
+        {"train_step": 3, "train_step_components": 1, "train_step_sharded": 1, "train_step_cold": 1},
+    ),
     ("experiments/train_step_check.py", {"train_step_check": 1}),
     ("report/sections/e2e.py", {}),
 ]

@@ -295,8 +295,13 @@ def test_every_job_that_needs_a_gpu_goes_to_the_gpu_partition(cluster):
     CPU partition with a request for GPUs."""
     planned = plan(cluster, "report/writeup.md", "--forceall", "--config", "run=gpu")
     assert ("train_step_cold", "ours") in planned  # (the whole run, not a part)
-    misplaced = sorted({rule for (rule, _), needs in planned.items()
-                        if int(needs["gpu"]) > 0 and needs["slurm_partition"] != "gpu"})
+    misplaced = sorted(
+        {
+            rule
+            for (rule, _), needs in planned.items()
+            if int(needs["gpu"]) > 0 and needs["slurm_partition"] != "gpu"
+        }
+    )
     assert not misplaced, f"add to profiles/slurm/config.yaml set-resources: {misplaced}"
 
 
@@ -321,13 +326,16 @@ def test_fsdp_on_two_nodes_runs_one_launcher_per_node(cluster):
     sbatch = submissions(state)[("fsdp_benchmark", "2")]
     assert "--nodes=2" in sbatch and not any(arg.startswith("--gpus") for arg in sbatch), sbatch
     calls = [json.loads(line) for line in (state / "calls.jsonl").read_text().splitlines()]
-    per_node = [call["args"] for call in calls if call["command"] == "srun" and "--ntasks-per-node=1" in call["args"]]
+    per_node = [
+        call["args"] for call in calls if call["command"] == "srun" and "--ntasks-per-node=1" in call["args"]
+    ]
     assert len(per_node) == 1 and "--nodes=2" in per_node[0] and "--nnodes" in per_node[0], per_node
     rows = list(csv.DictReader((workdir / target).open()))
     assert {(row["variant"], row["world_size"], row["status"]) for row in rows} >= {("ours", "2", "ok")}, rows
     # the configuration refuses what it cannot run, before any job
-    (workdir / "three.yaml").write_text("runs:\n  cpu:\n    fsdp:\n      jobs: [{world_size: 3, nodes: 2, "
-                                        "variants: [ours]}]\n")
+    (workdir / "three.yaml").write_text(
+        "runs:\n  cpu:\n    fsdp:\n      jobs: [{world_size: 3, nodes: 2, variants: [ours]}]\n"
+    )
     bad = run_profile(cluster, "-n", target, "--config", "run=cpu", "--configfile", "three.yaml")
     said = bad.stdout + bad.stderr
     assert bad.returncode != 0 and "world_size 3 is not a multiple of nodes 2" in said, said[-2000:]

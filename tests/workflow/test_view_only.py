@@ -31,7 +31,9 @@ def test_gpu_results_are_kept_where_they_cannot_be_remade(tmp_path):
     (work / "report/writeup.md").write_text("the copy of the last writeup rendered\n")
     now = time.time()
     set_mtime((p for p in work.rglob("*") if p.is_file()), now - 100)
-    set_mtime([work / "src/cs336_systems/measure/timing.py", work / "src/cs336_systems/model/transformer.py"], now)
+    set_mtime(
+        [work / "src/cs336_systems/measure/timing.py", work / "src/cs336_systems/model/transformer.py"], now
+    )
 
     result = snakemake(work, "-n", "report/gpu/writeup.md", "--config", "run=gpu")
     assert result.returncode == 0, result.stderr[-3000:]

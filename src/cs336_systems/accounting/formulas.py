@@ -350,7 +350,9 @@ def data_parallel_communication(
     ]
 
 
-def sharding_prediction(variant: str, param_numels: list[int], rank: int, world_size: int) -> dict[str, float]:
+def sharding_prediction(
+    variant: str, param_numels: list[int], rank: int, world_size: int
+) -> dict[str, float]:
     """What the sharding benchmark predicts for one rank: bytes of parameters, gradients and optimizer state
     (`unsharded` AdamW; `sharded`, ours, this rank's `balanced_partition` share; `zero`, PyTorch's
     ZeroRedundancyOptimizer, the ideal 1/world_size), and bytes the rank sends per step."""
@@ -419,8 +421,12 @@ def fsdp_memory(
         Quantity("sharded_params", sharded, "parameters", "Psi_s = sum of Linear and Embedding weights"),
         Quantity("replicated_params", replicated_numel, "parameters", "Psi_r = the norms' weights"),
         Quantity("largest_unit_params", largest, "parameters", "the largest sharded weight"),
-        Quantity("ddp_state_bytes", ddp_state, "bytes", "16 (Psi_s + Psi_r): fp32 weights, gradients, 2 moments"),
-        Quantity("ddp_bucket_bytes", buckets, "bytes", "4 Psi: our bucketed DDP's flat fp32 gradient buckets"),
+        Quantity(
+            "ddp_state_bytes", ddp_state, "bytes", "16 (Psi_s + Psi_r): fp32 weights, gradients, 2 moments"
+        ),
+        Quantity(
+            "ddp_bucket_bytes", buckets, "bytes", "4 Psi: our bucketed DDP's flat fp32 gradient buckets"
+        ),
         Quantity("fsdp_state_bytes", fsdp_state, "bytes", f"16 (Psi_s / {n} + Psi_r)"),
         Quantity(
             "fsdp_gathered_bytes",

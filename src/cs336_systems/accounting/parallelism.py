@@ -376,7 +376,12 @@ COLLECTIVE_TIMES = {
     "all_reduce": ring_all_reduce_time,
     "alternate_all_reduce": alternate_all_reduce_time,
 }
-COLLECTIVE_STEPS = {"all_gather": N - 1, "reduce_scatter": N - 1, "all_reduce": 2 * (N - 1), "alternate_all_reduce": N - 1}
+COLLECTIVE_STEPS = {
+    "all_gather": N - 1,
+    "reduce_scatter": N - 1,
+    "all_reduce": 2 * (N - 1),
+    "alternate_all_reduce": N - 1,
+}
 
 
 def bytes_sent_per_device(collective: str) -> sp.Expr:

@@ -47,7 +47,11 @@ def gather_measurements(measure: Callable[[], T]) -> list[T] | str | None:
 
 
 def time_collective(
-    collective: Callable[[], Any], device: torch.device, warmup: int, iters: int, after: Callable[[], Any] | None = None
+    collective: Callable[[], Any],
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    after: Callable[[], Any] | None = None,
 ) -> list[float] | None:
     """Seconds of each timed `collective()`, the slowest rank's per iteration, on rank 0 (None on the others).
 
@@ -70,7 +74,9 @@ def log_median(prefix: str, per_rank: list[dict | None] | str, key: str) -> None
     print(f"{prefix} {text}", file=sys.stderr, flush=True)
 
 
-def write_results(args: argparse.Namespace, ctx: DistContext, rows: list[dict], intervals: list[dict]) -> None:
+def write_results(
+    args: argparse.Namespace, ctx: DistContext, rows: list[dict], intervals: list[dict]
+) -> None:
     """On rank 0: the benchmark's rows to `args.out` and, where `--timeline-out` was given, its traced kernel
     intervals there, both with the run's parameters and world size as provenance."""
     if not ctx.is_main:
@@ -100,7 +106,9 @@ def setting_columns(
     }
 
 
-def ddp_rows(cell: dict[str, Any], setting: dict[str, Any], per_rank: list[dict | None] | str) -> tuple[list, list]:
+def ddp_rows(
+    cell: dict[str, Any], setting: dict[str, Any], per_rank: list[dict | None] | str
+) -> tuple[list, list]:
     """Rows and timeline rows of one DDP benchmark cell (`cell`: variant and bucket size). Rows: one per timed
     step, the slowest rank's step (`step_s`) and time blocked in gradient synchronisation (`comm_s`; None where
     it cannot be told apart from backward, as in PyTorch's DDP), ranks that took no part (None) left out.
@@ -184,7 +192,9 @@ def _sharding_rank_rows(
     predicted = sharding_prediction(variant, param_numels, rank, setting["world_size"])
     rows = []
 
-    def add(phase: str, quantity: str, value: float | None, unit: str = "bytes", step: int | None = None) -> None:
+    def add(
+        phase: str, quantity: str, value: float | None, unit: str = "bytes", step: int | None = None
+    ) -> None:
         skipped = value is None  # memory statistics that this device does not have
         rows.append(
             {

@@ -60,7 +60,9 @@ TRACED = ("ours", "fsdp2")  # the variants whose all-gathers the timeline shows
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 LAYER = "fsdp_layer_"  # record_function label of Transformer block i's forward in traced steps, followed by i
 STAT_KEYS = ("gather_wait_s", "sync_wait_s", *BYTES_KEYS)
-NO_STREAMS = "no CUDA streams on the CPU: gloo's collectives run on its worker threads, not beside compute kernels"
+NO_STREAMS = (
+    "no CUDA streams on the CPU: gloo's collectives run on its worker threads, not beside compute kernels"
+)
 
 
 @dataclass(frozen=True)
@@ -104,13 +106,18 @@ def fully_shard_model(model: TransformerLM, device: torch.device, settings: Sett
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     dtype = settings.dtype
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
+    policy = MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None
+    )
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     blocks = list(model.blocks)
     # The root's pre-forward runs first (the embedding) and its pre-backward first (the head).
-    for chain, prefetch in ((blocks, "set_modules_to_forward_prefetch"), (blocks[::-1], "set_modules_to_backward_prefetch")):
+    for chain, prefetch in (
+        (blocks, "set_modules_to_forward_prefetch"),
+        (blocks[::-1], "set_modules_to_backward_prefetch"),
+    ):
         chain = [model, *chain]
         for module, targets in zip(chain, prefetch_plan(len(chain), settings.prefetch_distance), strict=True):
             getattr(module, prefetch)([chain[t] for t in targets])
@@ -126,13 +133,17 @@ def wrap(variant: str, model: TransformerLM, ctx: DistContext, settings: Setting
         return fully_shard_model(model, ctx.device, settings)
     if variant in COUNTED:
         return FullyShardedDataParallel(
-            model, compute_dtype=settings.dtype, prefetch_distance=settings.prefetch_distance,
+            model,
+            compute_dtype=settings.dtype,
+            prefetch_distance=settings.prefetch_distance,
             exact=variant == "ours_exact",
         )
     raise ValueError(f"unknown variant {variant!r}; choose one of {VARIANTS}")
 
 
-def computed_bytes(variant: str, model: TransformerLM, world_size: int, settings: Settings) -> dict[str, float]:
+def computed_bytes(
+    variant: str, model: TransformerLM, world_size: int, settings: Settings
+) -> dict[str, float]:
     """Bytes one rank sends per step (accounting.collective_bytes), computed from the unwrapped model's
     parameters for the variants that do not count them. FSDP2 gathers each block's parameters (in the compute
     dtype) for forward and again for backward, the root's once (it keeps them from forward to backward), and
@@ -143,7 +154,9 @@ def computed_bytes(variant: str, model: TransformerLM, world_size: int, settings
         full = p.numel()
         if variant == "fsdp2":
             gathers = 2 if name.startswith("blocks.") else 1
-            moved["bytes_all_gathered"] += gathers * collective_bytes("all_gather", full * compute, world_size)
+            moved["bytes_all_gathered"] += gathers * collective_bytes(
+                "all_gather", full * compute, world_size
+            )
             moved["bytes_reduce_scattered"] += collective_bytes("reduce_scatter", full * 4, world_size)
         elif variant == "ddp":
             moved["bytes_all_reduced"] += collective_bytes("all_reduce", full * 4, world_size)
@@ -244,12 +257,21 @@ def measure(
     if trace is not None:
         with layer_annotations(blocks_of(model)):
             read = partial(stream_timeline, layer_prefix=LAYER)
-            intervals = record_timeline(step.train_step, trace_steps, ctx.device, trace if ctx.is_main else None, read)
-    return {"step_s": step_s, "peak_mib": peak, "counted": [record.stats() for record in counted], "bytes": bytes_moved,
-            "intervals": intervals}
+            intervals = record_timeline(
+                step.train_step, trace_steps, ctx.device, trace if ctx.is_main else None, read
+            )
+    return {
+        "step_s": step_s,
+        "peak_mib": peak,
+        "counted": [record.stats() for record in counted],
+        "bytes": bytes_moved,
+        "intervals": intervals,
+    }
 
 
-def cell_rows(variant: str, setting: dict[str, Any], per_rank: list[dict | None] | str) -> list[dict[str, Any]]:
+def cell_rows(
+    variant: str, setting: dict[str, Any], per_rank: list[dict | None] | str
+) -> list[dict[str, Any]]:
     """One row per rank that took part: the cell's step time (per step the slowest rank's; median, min, max in
     ms), this rank's peak (MiB), its exposed all-gather and synchronisation waits (ms, median over the counted
     steps) and bytes sent per step, and where those come from. An out-of-memory cell is one OOM row."""

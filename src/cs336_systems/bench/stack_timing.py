@@ -52,17 +52,29 @@ def one_device_ms(fn, device: torch.device, warmup_steps: int, steps: int, **do_
     return statistics.median(time_steps(fn, warmup_steps, steps, device)) * 1e3
 
 
-def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, started_run: float) -> dict:
+def measure(
+    stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, started_run: float
+) -> dict:
     """One (stack, depth) cell: build, first step, the timed steps, peak memory, and on one device what the
     model keeps between steps, the share of weights one more step changes and optimizer.step() alone; on
     several ranks the largest rank's peak, clock and (our FSDP) waits. `started_run`: the CLI's start
     (time.perf_counter())."""
-    dims = {name: getattr(args, name) for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length")}
+    dims = {
+        name: getattr(args, name) for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length")
+    }
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    train = build_step(STACKS[stack], {**dims, "num_layers": num_layers}, args.batch_size, device,
-                       DTYPES[args.dtype], compile_blocks=not args.no_compile, head_chunk=args.head_chunk, seed=args.seed)
+    train = build_step(
+        STACKS[stack],
+        {**dims, "num_layers": num_layers},
+        args.batch_size,
+        device,
+        DTYPES[args.dtype],
+        compile_blocks=not args.no_compile,
+        head_chunk=args.head_chunk,
+        seed=args.seed,
+    )
     sync(device)
     built = time.perf_counter()
     train.train_step()  # the first step compiles and autotunes
@@ -91,13 +103,20 @@ def measure(stack: str, num_layers: int, args: argparse.Namespace, device: torch
         alone["optimizer_ms"] = optimizer_ms(train, device, args)
     if ours:
         stats = [record.stats() for record in records[-args.steps :]]
-        waits = {f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3 for key in ("gather_wait", "sync_wait")}
+        waits = {
+            f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3
+            for key in ("gather_wait", "sync_wait")
+        }
     largest = {"peak_mib": peak, **clock, **waits}
     if dist.is_initialized():  # the largest rank's
         by_rank = gather_to_all(list(largest.values()))
         largest = dict(zip(largest, map(max, zip(*by_rank, strict=True)), strict=True))
-    return {"step_ms": step_ms, **largest, **alone,
-            "components": component_times(train, device) if args.components else {}}
+    return {
+        "step_ms": step_ms,
+        **largest,
+        **alone,
+        "components": component_times(train, device) if args.components else {},
+    }
 
 
 def state_mib(train: TrainingStep) -> dict[str, float]:
@@ -105,16 +124,22 @@ def state_mib(train: TrainingStep) -> dict[str, float]:
     the optimizer's state; the rest of the peak is activations and temporaries."""
     mib = lambda tensors: sum(t.numel() * t.element_size() for t in tensors) / MIB
     params = list(train.model.parameters())
-    return {"weights_mib": mib(params), "gradients_mib": mib(p.grad for p in params if p.grad is not None),
-            "optimizer_state_mib": mib(v for state in train.optimizer.state.values() for v in state.values()
-                                       if torch.is_tensor(v))}
+    return {
+        "weights_mib": mib(params),
+        "gradients_mib": mib(p.grad for p in params if p.grad is not None),
+        "optimizer_state_mib": mib(
+            v for state in train.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+        ),
+    }
 
 
 def updated_fraction(train: TrainingStep) -> float:
     """The share of the weights that one more step changes (after the peak is read: it holds a copy of them)."""
     before = [p.detach().clone() for p in train.model.parameters()]
     train.train_step()
-    changed = sum(int((p.detach() != old).sum()) for p, old in zip(train.model.parameters(), before, strict=True))
+    changed = sum(
+        int((p.detach() != old).sum()) for p, old in zip(train.model.parameters(), before, strict=True)
+    )
     return changed / sum(old.numel() for old in before)
 
 
@@ -134,14 +159,32 @@ def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torc
     world = dist.get_world_size() if dist.is_initialized() else 1
     flops = model_flops(vars(args), num_layers, args.context_length, args.batch_size * world)
     peak = peak_tflops(device)
-    row = {"kind": "cell", "stack": stack, "attention": s.attention, "head": s.head, "checkpoint": s.checkpoint,
-           "compiled": s.compile_blocks and not args.no_compile, "optimizer": s.optimizer, "sharding": s.sharding,
-           "world_size": world, "num_layers": num_layers, "d_model": args.d_model,
-           "d_ff": args.d_ff, "num_heads": args.num_heads, "vocab_size": args.vocab_size,
-           "context_length": args.context_length, "batch_size": args.batch_size, "dtype": args.dtype,
-           "weights": "float32" if s.fp32_master else args.dtype, "model_tflop": flops / 1e12,
-           "step_ms": float("nan"), "peak_mib": float("nan"), "mfu": float("nan"),
-           "status": "ok", "reason": ""}
+    row = {
+        "kind": "cell",
+        "stack": stack,
+        "attention": s.attention,
+        "head": s.head,
+        "checkpoint": s.checkpoint,
+        "compiled": s.compile_blocks and not args.no_compile,
+        "optimizer": s.optimizer,
+        "sharding": s.sharding,
+        "world_size": world,
+        "num_layers": num_layers,
+        "d_model": args.d_model,
+        "d_ff": args.d_ff,
+        "num_heads": args.num_heads,
+        "vocab_size": args.vocab_size,
+        "context_length": args.context_length,
+        "batch_size": args.batch_size,
+        "dtype": args.dtype,
+        "weights": "float32" if s.fp32_master else args.dtype,
+        "model_tflop": flops / 1e12,
+        "step_ms": float("nan"),
+        "peak_mib": float("nan"),
+        "mfu": float("nan"),
+        "status": "ok",
+        "reason": "",
+    }
     if result == "OOM":
         return row | {"status": "OOM", "reason": "out of memory"}
     row |= {key: value for key, value in result.items() if key != "components"}
@@ -164,12 +207,24 @@ def fit_rows(cells: list[dict], extrapolate_layers: int, peak: float | None) -> 
         world = first["world_size"]
         flops = model_flops(first, extrapolate_layers, first["context_length"], first["batch_size"] * world)
         step_ms = intercept + slope * extrapolate_layers
-        rows.append(first | {
-            "kind": "fit", "num_layers": extrapolate_layers, "per_layer_ms": slope, "intercept_ms": intercept,
-            "step_ms": step_ms, "peak_mib": float("nan"), "gather_wait_ms": float("nan"),
-            "sync_wait_ms": float("nan"), **dict.fromkeys(CLOCK, float("nan")), "model_tflop": flops / 1e12,
-            "mfu": flops / (step_ms / 1e3) / (world * peak * 1e12) if peak else float("nan"), "status": "extrapolated",
-            "reason": f"intercept + slope x {extrapolate_layers} layers, least squares over depths {depths}"})
+        rows.append(
+            first
+            | {
+                "kind": "fit",
+                "num_layers": extrapolate_layers,
+                "per_layer_ms": slope,
+                "intercept_ms": intercept,
+                "step_ms": step_ms,
+                "peak_mib": float("nan"),
+                "gather_wait_ms": float("nan"),
+                "sync_wait_ms": float("nan"),
+                **dict.fromkeys(CLOCK, float("nan")),
+                "model_tflop": flops / 1e12,
+                "mfu": flops / (step_ms / 1e3) / (world * peak * 1e12) if peak else float("nan"),
+                "status": "extrapolated",
+                "reason": f"intercept + slope x {extrapolate_layers} layers, least squares over depths {depths}",
+            }
+        )
     return rows
 
 

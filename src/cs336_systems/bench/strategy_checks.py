@@ -26,15 +26,25 @@ from cs336_systems.parallel.ring_collectives import (
 )
 
 TOLERANCE = 1e-12
-FFN_SHAPES = [(12, 12, 24), (24, 12, 36)]  # (B, D, D_FF), divisible as every sharding needs at 2, 3, 4 and 6 ranks
+FFN_SHAPES = [
+    (12, 12, 24),
+    (24, 12, 36),
+]  # (B, D, D_FF), divisible as every sharding needs at 2, 3, 4 and 6 ranks
 MESHES = {4: (2, 2), 6: (2, 3)}  # world size -> (N_FSDP, N_TP) of the 2D check
 FLOAT64_PER_FP16 = 4  # the expressions count fp16 (2 bytes); the runs send float64 (8)
 
 
 def _row(check: str, shape, quantity: str, counted: float, derived: float) -> dict:
     passed = abs(counted) <= TOLERANCE if quantity.startswith("max error") else counted == derived
-    return {"check": check, "world_size": dist.get_world_size(), "shape": "x".join(map(str, shape)),
-            "quantity": quantity, "counted": float(counted), "derived": float(derived), "passed": bool(passed)}
+    return {
+        "check": check,
+        "world_size": dist.get_world_size(),
+        "shape": "x".join(map(str, shape)),
+        "quantity": quantity,
+        "counted": float(counted),
+        "derived": float(derived),
+        "passed": bool(passed),
+    }
 
 
 def _error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -43,8 +53,12 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _traffic_rows(check: str, collective: str, shape, size_bytes: int, traffic: Traffic) -> list[dict]:
     at = {p.S: size_bytes, p.N: dist.get_world_size()}
-    return [_row(check, shape, "bytes sent", traffic.bytes_sent, int(p.bytes_sent_per_device(collective).subs(at))),
-            _row(check, shape, "steps", traffic.steps, int(p.COLLECTIVE_STEPS[collective].subs(at)))]
+    return [
+        _row(
+            check, shape, "bytes sent", traffic.bytes_sent, int(p.bytes_sent_per_device(collective).subs(at))
+        ),
+        _row(check, shape, "steps", traffic.steps, int(p.COLLECTIVE_STEPS[collective].subs(at))),
+    ]
 
 
 def ring_collective_rows(rows: int, generator: torch.Generator) -> list[dict]:
@@ -63,12 +77,16 @@ def ring_collective_rows(rows: int, generator: torch.Generator) -> list[dict]:
         out += _traffic_rows(f"ring {name}", name, shape, size, traffic)
     traffic, reference = Traffic(), torch.empty(rows // world, 5, dtype=x.dtype)
     reduce_scatter_flat(reference, x)
-    out.append(_row("ring reduce_scatter", shape, "max error", _error(ring_reduce_scatter(x, traffic), reference), 0))
+    out.append(
+        _row("ring reduce_scatter", shape, "max error", _error(ring_reduce_scatter(x, traffic), reference), 0)
+    )
     out += _traffic_rows("ring reduce_scatter", "reduce_scatter", shape, size, traffic)
     traffic, chunk = Traffic(), x[: rows // world].clone()
     reference = torch.empty_like(x)
     all_gather_flat(reference, chunk)
-    out.append(_row("ring all_gather", shape, "max error", _error(ring_all_gather(chunk, traffic), reference), 0))
+    out.append(
+        _row("ring all_gather", shape, "max error", _error(ring_all_gather(chunk, traffic), reference), 0)
+    )
     out += _traffic_rows("ring all_gather", "all_gather", shape, size, traffic)
     return out
 
@@ -88,8 +106,10 @@ def single_device_ffn(x, w1, w2, w3, dy) -> dict[str, torch.Tensor]:
 
 
 def _strategy_rows(check, shape, counted, want: dict, flops: dict, comm: dict, at: dict) -> list[dict]:
-    out = [_row(check, shape, f"max error {name}", _error(counted.outputs[name], tensor), 0)
-           for name, tensor in want.items()]
+    out = [
+        _row(check, shape, f"max error {name}", _error(counted.outputs[name], tensor), 0)
+        for name, tensor in want.items()
+    ]
     for phase, expr in flops.items():
         out.append(_row(check, shape, f"{phase} FLOPs", counted.flops[phase], int(expr.subs(at))))
     for phase, time in comm.items():  # a time at W = 1 byte/s is the bytes sent
@@ -113,29 +133,70 @@ def ffn_rows(shape: tuple[int, int, int], mesh=None) -> list[dict]:
         return t.chunk(n, dim)[rank]
 
     rows = _strategy_rows(
-        "FFN DP", shape, ffn_parallel.data_parallel(*tensors),
-        {"y": chunk(ref["y"]), "dx": chunk(ref["dx"]), "dW1": ref["dW1"], "dW2": ref["dW2"], "dW3": ref["dW3"]},
-        {"forward": _expression("8.3(a)", "forward FLOPs").subs(p.N_FSDP, p.N_DP),
-         "backward": _expression("8.2(a)", "backward FLOPs")},
-        {"backward": _expression("8.2(b)", "backward comm")}, at)
+        "FFN DP",
+        shape,
+        ffn_parallel.data_parallel(*tensors),
+        {
+            "y": chunk(ref["y"]),
+            "dx": chunk(ref["dx"]),
+            "dW1": ref["dW1"],
+            "dW2": ref["dW2"],
+            "dW3": ref["dW3"],
+        },
+        {
+            "forward": _expression("8.3(a)", "forward FLOPs").subs(p.N_FSDP, p.N_DP),
+            "backward": _expression("8.2(a)", "backward FLOPs"),
+        },
+        {"backward": _expression("8.2(b)", "backward comm")},
+        at,
+    )
     rows += _strategy_rows(
-        "FFN FSDP", shape, ffn_parallel.fsdp(*tensors), {k: chunk(ref[k]) for k in ("y", "dx", "dW1", "dW2", "dW3")},
-        {"forward": _expression("8.3(a)", "forward FLOPs"), "backward": _expression("8.3(a)", "backward FLOPs")},
-        {"forward": _expression("8.3(b)", "forward comm"), "backward": _expression("8.3(b)", "backward comm")}, at)
+        "FFN FSDP",
+        shape,
+        ffn_parallel.fsdp(*tensors),
+        {k: chunk(ref[k]) for k in ("y", "dx", "dW1", "dW2", "dW3")},
+        {
+            "forward": _expression("8.3(a)", "forward FLOPs"),
+            "backward": _expression("8.3(a)", "backward FLOPs"),
+        },
+        {
+            "forward": _expression("8.3(b)", "forward comm"),
+            "backward": _expression("8.3(b)", "backward comm"),
+        },
+        at,
+    )
     rows += _strategy_rows(
-        "FFN TP", shape, ffn_parallel.tensor_parallel(*tensors),
-        {"y": ref["y"], "dx": ref["dx"], "dW1": chunk(ref["dW1"], 1), "dW2": chunk(ref["dW2"], 1),
-         "dW3": chunk(ref["dW3"])},
-        {"forward": _expression("8.4(b)", "forward FLOPs"), "backward": _expression("8.4(b)", "backward FLOPs")},
-        {"forward": _expression("8.4(c)", "forward comm"), "backward": _expression("8.4(c)", "backward comm")}, at)
+        "FFN TP",
+        shape,
+        ffn_parallel.tensor_parallel(*tensors),
+        {
+            "y": ref["y"],
+            "dx": ref["dx"],
+            "dW1": chunk(ref["dW1"], 1),
+            "dW2": chunk(ref["dW2"], 1),
+            "dW3": chunk(ref["dW3"]),
+        },
+        {
+            "forward": _expression("8.4(b)", "forward FLOPs"),
+            "backward": _expression("8.4(b)", "backward FLOPs"),
+        },
+        {
+            "forward": _expression("8.4(c)", "forward comm"),
+            "backward": _expression("8.4(c)", "backward comm"),
+        },
+        at,
+    )
     if mesh is not None:
         fsdp_group, tp_group = mesh.get_group("fsdp"), mesh.get_group("tp")
         n_fsdp, n_tp = dist.get_world_size(fsdp_group), dist.get_world_size(tp_group)
         counted = ffn_parallel.fsdp_tp_forward(*tensors[:4], fsdp_group=fsdp_group, tp_group=tp_group)
         rows += _strategy_rows(
-            f"FFN 2D FSDP x TP ({n_fsdp} x {n_tp})", shape, counted,
+            f"FFN 2D FSDP x TP ({n_fsdp} x {n_tp})",
+            shape,
+            counted,
             {"y": ref["y"].chunk(n_fsdp)[dist.get_rank(fsdp_group)]},
             {"forward": _expression("8.5(a)", "forward FLOPs")},
             {"forward_fsdp": p.fsdp_axis_time(), "forward_tp": p.tp_axis_time()},
-            {**at, p.N_FSDP: n_fsdp, p.N_TP: n_tp})
+            {**at, p.N_FSDP: n_fsdp, p.N_TP: n_tp},
+        )
     return rows

@@ -29,8 +29,12 @@ from cs336_systems.parallel.distributed import BACKENDS, distributed
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__, seed=False)
-    p.add_argument("--backend", choices=BACKENDS, required=True, help="gloo all-reduces CPU tensors, nccl GPU ones")
-    p.add_argument("--sizes-mb", type=cli.positive_float, nargs="+", default=[1, 10, 100, 1000], help="in MiB")
+    p.add_argument(
+        "--backend", choices=BACKENDS, required=True, help="gloo all-reduces CPU tensors, nccl GPU ones"
+    )
+    p.add_argument(
+        "--sizes-mb", type=cli.positive_float, nargs="+", default=[1, 10, 100, 1000], help="in MiB"
+    )
     p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="untimed iterations per size")
     p.add_argument("--iters", type=cli.positive_int, default=20, help="timed iterations per size")
     return p.parse_args(argv)
@@ -43,8 +47,13 @@ def run(args: argparse.Namespace, device: torch.device) -> list[dict]:
         numel = int(size_mb * MIB) // 4
         tensor = torch.rand(numel, dtype=torch.float32, device=device)
         # rescaling keeps the values bounded over iterations
-        slowest = time_collective(partial(dist.all_reduce, tensor), device, args.warmup, args.iters,
-                                  after=partial(tensor.div_, world_size))
+        slowest = time_collective(
+            partial(dist.all_reduce, tensor),
+            device,
+            args.warmup,
+            args.iters,
+            after=partial(tensor.div_, world_size),
+        )
         del tensor
         if slowest is None:
             continue

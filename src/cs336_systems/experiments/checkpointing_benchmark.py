@@ -39,10 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention", choices=sorted(ATTENTION), default="naive")
     p.add_argument("--autocast", nargs="+", choices=sorted(workload.AUTOCAST), default=["none", "bf16"])
     p.add_argument("--policies", nargs="+", help="default: none, every:1 .. every:N, nested, selective")
-    p.add_argument("--depths", type=cli.positive_int, nargs="+", help="num_layers overrides (default: the size's)")
+    p.add_argument(
+        "--depths", type=cli.positive_int, nargs="+", help="num_layers overrides (default: the size's)"
+    )
     p.add_argument("--warmup", type=cli.positive_int, default=1, help="train steps before the measured ones")
     p.add_argument("--steps", type=cli.positive_int, default=3, help="timed train steps")
-    p.add_argument("--skip-after-oom", action="store_true", help="skip every:K once a smaller K ran out of memory")
+    p.add_argument(
+        "--skip-after-oom", action="store_true", help="skip every:K once a smaller K ran out of memory"
+    )
     cli.add_device(p)
     args = p.parse_args(argv)
     args.depths = args.depths or [MODEL_SIZES[args.size]["num_layers"]]
@@ -57,7 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def config(args: argparse.Namespace, depth: int, policy: str = "none") -> ModelConfig:
     """The model of --size with `depth` blocks (the depth study) and checkpoint `policy`."""
     return ModelConfig.from_name(
-        args.size, num_layers=depth, context_length=args.context_length, attention=args.attention, checkpoint=policy
+        args.size,
+        num_layers=depth,
+        context_length=args.context_length,
+        attention=args.attention,
+        checkpoint=policy,
     )
 
 

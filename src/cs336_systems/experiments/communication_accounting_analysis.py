@@ -26,16 +26,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-model", type=integer, default=16384)
     p.add_argument("--d-ff", type=integer, default=53248)
     p.add_argument("--num-blocks", type=integer, default=126)
-    p.add_argument("--batch-size", type=integer, default=4, help="sequences per device for the activation memory")
-    p.add_argument("--seq-len", type=integer, default=1024, help="tokens per sequence for the activation memory")
+    p.add_argument(
+        "--batch-size", type=integer, default=4, help="sequences per device for the activation memory"
+    )
+    p.add_argument(
+        "--seq-len", type=integer, default=1024, help="tokens per sequence for the activation memory"
+    )
     p.add_argument("--h100-memory-gb", type=number, default=80.0, help="(a) memory of one H100, 10^9 bytes")
-    p.add_argument("--tpu-v5p-memory-gb", type=number, default=95.0, help="(b) memory of one TPU v5p, 10^9 bytes")
+    p.add_argument(
+        "--tpu-v5p-memory-gb", type=number, default=95.0, help="(b) memory of one TPU v5p, 10^9 bytes"
+    )
     p.add_argument("--ici-bandwidth-bytes-per-s", type=number, default=2 * 9e10, help="(c) W_ici")
     p.add_argument("--flops-per-s", type=number, default=4.6e14, help="(c) C, bf16 FLOP/s per chip")
     p.add_argument("--x", type=integer, default=16, help="(c) X, devices on the FSDP axis")
     p.add_argument("--y", type=integer, default=4, help="(c) Y, devices on the tensor-parallel axis")
     p.add_argument("--m-x", type=integer, default=2, help="(c) M_X, mesh axes of the FSDP dimension")
-    p.add_argument("--m-y", type=integer, default=1, help="(c) M_Y, mesh axes of the tensor-parallel dimension")
+    p.add_argument(
+        "--m-y", type=integer, default=1, help="(c) M_Y, mesh axes of the tensor-parallel dimension"
+    )
     return p.parse_args(argv)
 
 

@@ -45,11 +45,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     add_distributed_model_args(p)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    p.add_argument("--bucket-sizes-mb", type=cli.positive_float, nargs="+", default=[1, 10, 100, 1000],
-                   help="bucket caps (MiB) for our bucketed wrapper and PyTorch's DDP (bucket_cap_mb)")
+    p.add_argument(
+        "--bucket-sizes-mb",
+        type=cli.positive_float,
+        nargs="+",
+        default=[1, 10, 100, 1000],
+        help="bucket caps (MiB) for our bucketed wrapper and PyTorch's DDP (bucket_cap_mb)",
+    )
     p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="untimed steps per variant")
     p.add_argument("--steps", type=cli.positive_int, default=10, help="timed steps per variant")
-    p.add_argument("--trace-dir", type=Path, help="write a Chrome trace of --trace-steps steps per variant here")
+    p.add_argument(
+        "--trace-dir", type=Path, help="write a Chrome trace of --trace-steps steps per variant here"
+    )
     p.add_argument("--trace-steps", type=cli.positive_int, default=2)
     p.add_argument("--timeline-out", type=Path, help="CSV of the last traced step's intervals per variant")
     args = p.parse_args(argv)
@@ -58,7 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def wrap(variant: str, bucket_size_mb: float | None, model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+def wrap(
+    variant: str, bucket_size_mb: float | None, model: torch.nn.Module, ctx: DistContext
+) -> torch.nn.Module:
     if variant == "single":
         return model
     if variant == "torch_ddp":
@@ -69,7 +78,9 @@ def wrap(variant: str, bucket_size_mb: float | None, model: torch.nn.Module, ctx
     return wrapped
 
 
-def measure(variant: str, bucket_size_mb: float | None, args: argparse.Namespace, ctx: DistContext) -> dict | None:
+def measure(
+    variant: str, bucket_size_mb: float | None, args: argparse.Namespace, ctx: DistContext
+) -> dict | None:
     """This rank's step and communication times (seconds) for one cell, its number of buckets and (rank 0, with
     --trace-dir) the timeline of its last traced step; None on the ranks that `single` leaves idle."""
     if variant == "single" and not ctx.is_main:
@@ -89,9 +100,17 @@ def measure(variant: str, bucket_size_mb: float | None, args: argparse.Namespace
     step = workload.TrainingStep(model, optimizer, batch, sync_gradients=sync_gradients if ours else None)
     step_s = time_steps(step.train_step, args.warmup, args.steps, ctx.device)
     # single has no communication; torch_ddp's cannot be told apart from its backward
-    comm_s = [t.seconds for t in timers[-args.steps :]] if ours else [0.0 if variant == "single" else None] * args.steps
-    trace = args.trace_dir / f"{label(variant, bucket_size_mb)}.json" if args.trace_dir and ctx.is_main else None
-    intervals = record_timeline(step.train_step, args.trace_steps, ctx.device, trace) if args.trace_dir else []
+    comm_s = (
+        [t.seconds for t in timers[-args.steps :]]
+        if ours
+        else [0.0 if variant == "single" else None] * args.steps
+    )
+    trace = (
+        args.trace_dir / f"{label(variant, bucket_size_mb)}.json" if args.trace_dir and ctx.is_main else None
+    )
+    intervals = (
+        record_timeline(step.train_step, args.trace_steps, ctx.device, trace) if args.trace_dir else []
+    )
     buckets = len(model.buckets) if isinstance(model, ddp.BucketedDDP) else None
     return {"step_s": step_s, "comm_s": comm_s, "num_buckets": buckets, "intervals": intervals}
 
@@ -108,13 +127,22 @@ def main(argv: list[str] | None = None) -> None:
     with distributed(args.backend) as ctx:
         # param_bytes: what is all-reduced per step (the bucket model's s); num_tensors: naive's all-reduces
         param_bytes = sum(p.numel() * p.element_size() for p in params)
-        setting = setting_columns(args.size, cfg, args.batch_size, args.warmup, ctx, param_bytes=param_bytes,
-                                  num_tensors=len(params))
+        setting = setting_columns(
+            args.size,
+            cfg,
+            args.batch_size,
+            args.warmup,
+            ctx,
+            param_bytes=param_bytes,
+            num_tensors=len(params),
+        )
         rows, intervals = [], []
         for variant, bucket in cells:
             per_rank = gather_measurements(partial(measure, variant, bucket, args, ctx))
             if per_rank is not None:
-                cell_rows, cell_intervals = ddp_rows({"variant": variant, "bucket_size_mb": bucket}, setting, per_rank)
+                cell_rows, cell_intervals = ddp_rows(
+                    {"variant": variant, "bucket_size_mb": bucket}, setting, per_rank
+                )
                 rows, intervals = rows + cell_rows, intervals + cell_intervals
                 log_median(f"[ddp] {label(variant, bucket)}: median step", per_rank, "step_s")
         write_results(args, ctx, rows, intervals)

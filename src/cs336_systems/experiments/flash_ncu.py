@@ -75,6 +75,7 @@ def workload(b: int, h: int, n: int, d: int, configs_out: str) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from cs336_systems.kernels import flash_triton
+
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(b * h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     q4, k4, v4 = (t.view(b, h, n, d).detach().requires_grad_() for t in (q, k, v))

@@ -51,16 +51,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     add_distributed_model_args(p)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    p.add_argument("--compute-dtype", choices=list(COMPUTE_DTYPES), default="bf16",
-                   help="weights for compute (ours, FSDP2) and autocast (every variant); fp32: no casts")
-    p.add_argument("--prefetch-distance", type=cli.positive_int, default=2,
-                   help="units gathered at a time (ours and FSDP2)")
-    p.add_argument("--bucket-size-mb", type=cli.positive_float, default=100.0, help="our DDP's bucket cap (MiB)")
+    p.add_argument(
+        "--compute-dtype",
+        choices=list(COMPUTE_DTYPES),
+        default="bf16",
+        help="weights for compute (ours, FSDP2) and autocast (every variant); fp32: no casts",
+    )
+    p.add_argument(
+        "--prefetch-distance",
+        type=cli.positive_int,
+        default=2,
+        help="units gathered at a time (ours and FSDP2)",
+    )
+    p.add_argument(
+        "--bucket-size-mb", type=cli.positive_float, default=100.0, help="our DDP's bucket cap (MiB)"
+    )
     p.add_argument("--warmup", type=cli.nonnegative_int, default=3, help="untimed steps per variant")
     p.add_argument("--steps", type=cli.positive_int, default=10, help="timed steps per variant")
-    p.add_argument("--trace-dir", type=Path, help="write a Chrome trace of --trace-steps steps of ours and fsdp2 here")
+    p.add_argument(
+        "--trace-dir", type=Path, help="write a Chrome trace of --trace-steps steps of ours and fsdp2 here"
+    )
     p.add_argument("--trace-steps", type=cli.positive_int, default=2)
-    p.add_argument("--timeline-out", type=Path, help="CSV of the last traced step's kernels of ours and fsdp2")
+    p.add_argument(
+        "--timeline-out", type=Path, help="CSV of the last traced step's kernels of ours and fsdp2"
+    )
     args = p.parse_args(argv)
     if args.timeline_out is not None and args.trace_dir is None:
         p.error("--timeline-out needs --trace-dir (the timeline is read from the traces)")
@@ -74,14 +88,28 @@ def main(argv: list[str] | None = None) -> None:
     with distributed(args.backend) as ctx:
         num_params = sum(p.numel() for p in workload.model_parameters(cfg))
         setting = setting_columns(args.size, cfg, args.batch_size, args.warmup, ctx, num_params=num_params)
-        setting |= {"attention": args.attention, "compute_dtype": args.compute_dtype,
-                    "prefetch_distance": args.prefetch_distance}
+        setting |= {
+            "attention": args.attention,
+            "compute_dtype": args.compute_dtype,
+            "prefetch_distance": args.prefetch_distance,
+        }
         rows, intervals = [], []
         for variant in args.variants:
             traced = args.trace_dir is not None and variant in TRACED
             trace = args.trace_dir / f"{variant}.json" if traced and ctx.device.type == "cuda" else None
-            run = partial(measure, variant, cfg, args.batch_size, settings, ctx, args.seed, args.warmup, args.steps,
-                          trace, args.trace_steps)
+            run = partial(
+                measure,
+                variant,
+                cfg,
+                args.batch_size,
+                settings,
+                ctx,
+                args.seed,
+                args.warmup,
+                args.steps,
+                trace,
+                args.trace_steps,
+            )
             per_rank = gather_measurements(run)
             if per_rank is not None:
                 rows += cell_rows(variant, setting, per_rank)

@@ -30,7 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=BACKENDS, help="default: nccl where there are GPUs, else gloo")
     p.add_argument("--steps", type=cli.positive_int, default=10, help="training steps")
     p.add_argument("--batch-per-rank", type=cli.positive_int, default=8, help="examples per rank and step")
-    p.add_argument("--bucket-size-mb", type=cli.positive_float, default=0.0005, help="for the bucketed wrapper (MiB)")
+    p.add_argument(
+        "--bucket-size-mb", type=cli.positive_float, default=0.0005, help="for the bucketed wrapper (MiB)"
+    )
     return p.parse_args(argv)
 
 
@@ -66,7 +68,9 @@ def train_and_compare(
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     with distributed(args.backend) as ctx:
-        results = {name: train_and_compare(name, args, ctx.rank, ctx.world_size, ctx.device) for name in WRAPPERS}
+        results = {
+            name: train_and_compare(name, args, ctx.rank, ctx.world_size, ctx.device) for name in WRAPPERS
+        }
         per_rank = gather_to_rank0(results)
         if per_rank is None:
             return

@@ -36,8 +36,13 @@ def ffn(text: str) -> tuple[str, int, int, int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__, seed=False)
-    parser.add_argument("--hardware", type=hardware, nargs="+", required=True,
-                        help="NAME:C:W, C in FLOP/s and W in egress bytes/s per device")
+    parser.add_argument(
+        "--hardware",
+        type=hardware,
+        nargs="+",
+        required=True,
+        help="NAME:C:W, C in FLOP/s and W in egress bytes/s per device",
+    )
     parser.add_argument("--ffn", type=ffn, nargs="+", required=True, help="NAME:B:D:D_FF, B in tokens")
     return parser.parse_args(argv)
 
@@ -45,23 +50,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> list[dict]:
     answers = p.all_answers()
     rows = [
-        {"kind": "answer", "question": a.question, "quantity": a.quantity,
-         "expression": "" if a.expr is None else str(a.expr), "latex": a.latex, "justification": a.justification}
+        {
+            "kind": "answer",
+            "question": a.question,
+            "quantity": a.quantity,
+            "expression": "" if a.expr is None else str(a.expr),
+            "latex": a.latex,
+            "justification": a.justification,
+        }
         for a in answers
     ]
     splits = {"8.5(c)": p.optimal_split(overlapped=True), "8.5(d)": p.optimal_split(overlapped=False)}
     for hw_name, flops, egress in args.hardware:
         for ffn_name, batch, d_model, d_ff in args.ffn:
             at = {p.C: flops, p.W: egress, p.B: batch, p.D: d_model, p.D_FF: d_ff}
-            setting = {"hardware": hw_name, "C": flops, "W": egress, "ffn": ffn_name, "B": batch, "D": d_model,
-                       "D_FF": d_ff}
+            setting = {
+                "hardware": hw_name,
+                "C": flops,
+                "W": egress,
+                "ffn": ffn_name,
+                "B": batch,
+                "D": d_model,
+                "D_FF": d_ff,
+            }
             for a in answers:
                 if a.is_bound:
-                    rows.append({"kind": "bound", "question": a.question, "quantity": a.quantity, **setting,
-                                 "value": p.evaluate(a.expr, at)})
+                    rows.append(
+                        {
+                            "kind": "bound",
+                            "question": a.question,
+                            "quantity": a.quantity,
+                            **setting,
+                            "value": p.evaluate(a.expr, at),
+                        }
+                    )
             for question, (n_fsdp, n_tp) in splits.items():
-                rows.append({"kind": "split", "question": question, "quantity": "optimal split", **setting,
-                             "N_FSDP": p.evaluate(n_fsdp, at), "N_TP": p.evaluate(n_tp, at)})
+                rows.append(
+                    {
+                        "kind": "split",
+                        "question": question,
+                        "quantity": "optimal split",
+                        **setting,
+                        "N_FSDP": p.evaluate(n_fsdp, at),
+                        "N_TP": p.evaluate(n_tp, at),
+                    }
+                )
     return rows
 
 

@@ -28,8 +28,11 @@ def main(argv: list[str] | None = None) -> None:
         rows += [r for ffn in FFN_SHAPES for r in ffn_rows(ffn, mesh)]
         everyone = gather_to_rank0([{**row, "rank": ctx.rank} for row in rows])
         if everyone is not None:
-            write_rows([row for rank_rows in everyone for row in rank_rows], args.out,
-                       {**vars(args), "world_size": ctx.world_size})
+            write_rows(
+                [row for rank_rows in everyone for row in rank_rows],
+                args.out,
+                {**vars(args), "world_size": ctx.world_size},
+            )
 
 
 if __name__ == "__main__":

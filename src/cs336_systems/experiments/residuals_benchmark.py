@@ -33,7 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", choices=list(MODEL_SIZES), required=True, help="d_model and d_ff of this size")
     p.add_argument("--batch-size", type=cli.positive_int, default=4)
     p.add_argument("--context-length", type=cli.positive_int, required=True)
-    p.add_argument("--heads", type=cli.positive_int, nargs="+", required=True, help="head counts of the block")
+    p.add_argument(
+        "--heads", type=cli.positive_int, nargs="+", required=True, help="head counts of the block"
+    )
     p.add_argument("--modules", nargs="+", choices=saved_tensors.MODULES, default=list(saved_tensors.MODULES))
     p.add_argument("--modes", nargs="+", choices=saved_tensors.MODES, default=list(saved_tensors.MODES))
     p.add_argument("--attention", nargs="+", choices=list(ATTENTION), default=list(ATTENTION))
@@ -49,7 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace, heads: int, attention: str) -> ModelConfig:
     return ModelConfig.from_name(
-        args.size, num_heads=heads, num_layers=1, context_length=args.context_length, attention=ATTENTION[attention]
+        args.size,
+        num_heads=heads,
+        num_layers=1,
+        context_length=args.context_length,
+        attention=ATTENTION[attention],
     )
 
 
@@ -65,13 +71,22 @@ def configurations(args: argparse.Namespace):
 
 def config_rows(args, module: str, mode: str, attention: str, heads: int, device) -> list[dict]:
     cfg = model_config(args, heads, "naive" if attention == "none" else attention)
-    base = {"module": module, "mode": mode, "attention": attention, "heads": heads if module == "block" else None,
-            "size": args.size, "batch_size": args.batch_size, "context_length": args.context_length,
-            "d_model": cfg.d_model, "d_ff": cfg.d_ff}
+    base = {
+        "module": module,
+        "mode": mode,
+        "attention": attention,
+        "heads": heads if module == "block" else None,
+        "size": args.size,
+        "batch_size": args.batch_size,
+        "context_length": args.context_length,
+        "d_model": cfg.d_model,
+        "d_ff": cfg.d_ff,
+    }
     rows = []
     if mode == "eager":  # the analytic count is of eager autograd
-        analytic = saved_tensors.analytic_residuals(module, args.batch_size, cfg.context_length, cfg.d_model, cfg.d_ff,
-                                                heads, cfg.attention)
+        analytic = saved_tensors.analytic_residuals(
+            module, args.batch_size, cfg.context_length, cfg.d_model, cfg.d_ff, heads, cfg.attention
+        )
         rows += [{**base, "source": "analytic", "status": "ok", **r} for r in analytic]
     measured = {**base, "source": "measured"}
     reason = saved_tensors.flash_unavailable(cfg, device) if attention == "flash" else None
@@ -85,8 +100,13 @@ def config_rows(args, module: str, mode: str, attention: str, heads: int, device
             if mode != "compiled" or is_oom(exc):
                 raise
             first_line = (str(exc).strip().splitlines() or [""])[0]
-            return [{**measured, "status": "skipped", "reason": f"torch.compile failed: {type(exc).__name__}: "
-                                                                 f"{first_line[:300]}"}]
+            return [
+                {
+                    **measured,
+                    "status": "skipped",
+                    "reason": f"torch.compile failed: {type(exc).__name__}: {first_line[:300]}",
+                }
+            ]
         return [{**measured, "status": "ok", **r} for r in records]
 
     cell = f"{module} {mode} attention={attention} heads={heads}"

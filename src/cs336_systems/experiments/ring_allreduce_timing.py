@@ -35,7 +35,9 @@ ALGORITHMS = {"ring": ring_all_reduce, "alternate": alternate_all_reduce}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__, seed=False)
     parser.add_argument("--backend", choices=BACKENDS, required=True)
-    parser.add_argument("--sizes-mb", type=cli.positive_float, nargs="+", default=[0.01, 1, 16], help="in MiB")
+    parser.add_argument(
+        "--sizes-mb", type=cli.positive_float, nargs="+", default=[0.01, 1, 16], help="in MiB"
+    )
     parser.add_argument("--warmup", type=cli.nonnegative_int, default=2, help="untimed iterations per cell")
     parser.add_argument("--iters", type=cli.positive_int, default=10, help="timed iterations per cell")
     return parser.parse_args(argv)
@@ -62,10 +64,20 @@ def run(args: argparse.Namespace, device: torch.device) -> list[dict]:
         if not medians:
             continue
         for name, median_s in medians.items():
-            rows.append({"backend": args.backend, "world_size": world, "size_mb": size_mb, "bytes": numel * 4,
-                         "algorithm": name, "median_ms": median_s * 1e3, "iters": args.iters,
-                         "measured_ratio": medians["alternate"] / medians["ring"],
-                         "predicted_ratio": predicted_ratio(world), "status": "ok"})
+            rows.append(
+                {
+                    "backend": args.backend,
+                    "world_size": world,
+                    "size_mb": size_mb,
+                    "bytes": numel * 4,
+                    "algorithm": name,
+                    "median_ms": median_s * 1e3,
+                    "iters": args.iters,
+                    "measured_ratio": medians["alternate"] / medians["ring"],
+                    "predicted_ratio": predicted_ratio(world),
+                    "status": "ok",
+                }
+            )
     return rows
 
 

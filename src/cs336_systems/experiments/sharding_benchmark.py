@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     add_distributed_model_args(p)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    p.add_argument("--warmup", type=cli.positive_int, default=5, help="untimed iterations per variant (create state)")
+    p.add_argument(
+        "--warmup", type=cli.positive_int, default=5, help="untimed iterations per variant (create state)"
+    )
     p.add_argument("--steps", type=cli.positive_int, default=10, help="timed iterations per variant")
     p.add_argument("--lr", type=cli.positive_float, default=1e-4)
     return p.parse_args(argv)
@@ -78,7 +80,9 @@ def measure(variant: str, args: argparse.Namespace, ctx: DistContext) -> dict:
     memory.record("after_init")
     torch.manual_seed(args.seed + 1 + ctx.rank)  # each rank its own shard of the data
     batch = workload.random_batch(cfg, args.batch_size, ctx.device)
-    step = workload.TrainingStep(model, optimizer, batch, sync_gradients=model.finish_gradient_synchronization)
+    step = workload.TrainingStep(
+        model, optimizer, batch, sync_gradients=model.finish_gradient_synchronization
+    )
     for _ in range(args.warmup):
         step.train_step()
     memory.reset()  # one steady-state iteration, phase by phase
@@ -107,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg = cli.model_config(args, args.context_length)
     param_numels = [p.numel() for p in workload.model_parameters(cfg)]
     with distributed(args.backend) as ctx:
-        setting = setting_columns(args.size, cfg, args.batch_size, args.warmup, ctx, num_params=sum(param_numels))
+        setting = setting_columns(
+            args.size, cfg, args.batch_size, args.warmup, ctx, num_params=sum(param_numels)
+        )
         rows = []
         for variant in args.variants:
             per_rank = gather_measurements(partial(measure, variant, args, ctx))

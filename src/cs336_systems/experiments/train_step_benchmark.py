@@ -66,22 +66,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=cli.positive_int, nargs="+", required=True, help="depths to measure")
     p.add_argument("--batch-size", type=cli.positive_int, default=1, help="sequences per step (on this GPU)")
     p.add_argument("--stacks", nargs="+", choices=list(STACKS), default=["plain", "native", "ours"])
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16",
-                   help="weights, gradients, AdamW state (a *_fp32_master stack's compute)")
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="bfloat16",
+        help="weights, gradients, AdamW state (a *_fp32_master stack's compute)",
+    )
     p.add_argument("--head-chunk", type=cli.positive_int, default=8192, help="tokens per LM-head chunk")
     p.add_argument("--no-compile", action="store_true", help="run every stack's blocks eagerly")
     p.add_argument("--warmup-ms", type=cli.positive_int, default=3000, help="CUDA: do_bench warm-up")
     p.add_argument("--rep-ms", type=cli.positive_int, default=5000, help="CUDA: do_bench measurement time")
-    p.add_argument("--steps", type=cli.positive_int, default=3,
-                   help="CPU or several ranks: timed steps (after the warm-up steps)")
-    p.add_argument("--warmup-steps", type=cli.positive_int, default=1, help="CPU or several ranks: warm-up steps")
+    p.add_argument(
+        "--steps",
+        type=cli.positive_int,
+        default=3,
+        help="CPU or several ranks: timed steps (after the warm-up steps)",
+    )
+    p.add_argument(
+        "--warmup-steps", type=cli.positive_int, default=1, help="CPU or several ranks: warm-up steps"
+    )
     p.add_argument("--extrapolate-layers", type=cli.positive_int, default=LEADERBOARD["num_layers"])
-    p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="under the launcher: the process group's backend (default: nccl with GPUs, else gloo)")
-    p.add_argument("--cold-cache", action="store_true",
-                   help="compile and autotune from empty on-disk caches (Inductor's, Triton's), as on a fresh machine")
-    p.add_argument("--components", action="store_true",
-                   help="also profile one step per cell: time per component (attention, matmul, ...) rows")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="under the launcher: the process group's backend (default: nccl with GPUs, else gloo)",
+    )
+    p.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="compile and autotune from empty on-disk caches (Inductor's, Triton's), as on a fresh machine",
+    )
+    p.add_argument(
+        "--components",
+        action="store_true",
+        help="also profile one step per cell: time per component (attention, matmul, ...) rows",
+    )
     cli.add_device(p)
     args = p.parse_args(argv)
     if args.d_model % args.num_heads or (args.d_model // args.num_heads) % 2:
@@ -90,10 +110,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stacks and --num-layers list each value once")
     sharded = [s for s in args.stacks if STACKS[s].sharding != "none"]
     if sharded and "WORLD_SIZE" not in os.environ:
-        p.error(f"--stacks {' '.join(sharded)} shard over ranks: run under python -m cs336_systems.parallel.launch --nproc N")
+        p.error(
+            f"--stacks {' '.join(sharded)} shard over ranks: run under python -m cs336_systems.parallel.launch --nproc N"
+        )
     if len(sharded) < len(args.stacks) and "WORLD_SIZE" in os.environ:
-        p.error(f"--stacks {' '.join(s for s in args.stacks if s not in sharded)} run on one GPU: do not launch "
-                "them on several ranks (or list only *_fsdp stacks)")
+        p.error(
+            f"--stacks {' '.join(s for s in args.stacks if s not in sharded)} run on one GPU: do not launch "
+            "them on several ranks (or list only *_fsdp stacks)"
+        )
     return args
 
 
@@ -121,9 +145,22 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
                 result = or_oom(lambda s=stack, n=num_layers: measure(s, n, args, device, STARTED))
                 cells.append(cell_row(stack, num_layers, args, device, result))
                 if result != "OOM":
-                    parts += [{"kind": "component", "stack": stack, "num_layers": num_layers, "component": name,
-                               "component_ms": ms, "status": "ok"} for name, ms in result["components"].items()]
-                shown = "OOM" if result == "OOM" else f"{result['step_ms']:.1f} ms, peak {result['peak_mib']:.0f} MiB"
+                    parts += [
+                        {
+                            "kind": "component",
+                            "stack": stack,
+                            "num_layers": num_layers,
+                            "component": name,
+                            "component_ms": ms,
+                            "status": "ok",
+                        }
+                        for name, ms in result["components"].items()
+                    ]
+                shown = (
+                    "OOM"
+                    if result == "OOM"
+                    else f"{result['step_ms']:.1f} ms, peak {result['peak_mib']:.0f} MiB"
+                )
                 if main_rank:
                     print(f"[train_step] {stack} x {num_layers} layers: {shown}", file=sys.stderr, flush=True)
     if main_rank:

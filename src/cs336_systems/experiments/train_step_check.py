@@ -32,15 +32,27 @@ ONE_DEVICE = [s for s, stack in STACKS.items() if stack.sharding == "none"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
-    for name, default in (("d_model", 256), ("d_ff", 688), ("num_heads", 2), ("num_layers", 2),
-                          ("vocab_size", 1009), ("context_length", 515), ("batch_size", 2), ("steps", 20)):
+    for name, default in (
+        ("d_model", 256),
+        ("d_ff", 688),
+        ("num_heads", 2),
+        ("num_layers", 2),
+        ("vocab_size", 1009),
+        ("context_length", 515),
+        ("batch_size", 2),
+        ("steps", 20),
+    ):
         p.add_argument(f"--{name.replace('_', '-')}", type=cli.positive_int, default=default)
     p.add_argument("--stacks", nargs="+", choices=[s for s in ONE_DEVICE if s != "plain"], required=True)
     p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     p.add_argument("--head-chunk", type=cli.positive_int, default=256, help="tokens per LM-head chunk")
     p.add_argument("--no-compile", action="store_true", help="run every stack's blocks eagerly")
-    p.add_argument("--tolerance", type=float, default=2.0, help="bound = tolerance x the plain model's error + floor")
-    p.add_argument("--floor", type=float, default=1e-5, help="bound = tolerance x the plain model's error + floor")
+    p.add_argument(
+        "--tolerance", type=float, default=2.0, help="bound = tolerance x the plain model's error + floor"
+    )
+    p.add_argument(
+        "--floor", type=float, default=1e-5, help="bound = tolerance x the plain model's error + floor"
+    )
     cli.add_device(p)
     args = p.parse_args(argv)
     if args.d_model % args.num_heads or (args.d_model // args.num_heads) % 2:
@@ -48,15 +60,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def train(stack: Stack, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, compile_blocks: bool):
+def train(
+    stack: Stack, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, compile_blocks: bool
+):
     """(losses over the steps, the first step's gradients, the weights after it), all float32 on the CPU."""
-    dims = {k: getattr(args, k) for k in ("d_model", "d_ff", "num_heads", "num_layers", "vocab_size", "context_length")}
-    step = build_step(stack, dims, args.batch_size, device, dtype, compile_blocks=compile_blocks,
-                      head_chunk=args.head_chunk, seed=args.seed)
+    dims = {
+        k: getattr(args, k)
+        for k in ("d_model", "d_ff", "num_heads", "num_layers", "vocab_size", "context_length")
+    }
+    step = build_step(
+        stack,
+        dims,
+        args.batch_size,
+        device,
+        dtype,
+        compile_blocks=compile_blocks,
+        head_chunk=args.head_chunk,
+        seed=args.seed,
+    )
     losses, grads, weights = [], None, None
     for i in range(args.steps):
         losses.append(step.train_step().item())
-        if i == 0:  # the step's gradients stay until the next one's zero_grad; the optimizer leaves them as they are
+        if (
+            i == 0
+        ):  # the step's gradients stay until the next one's zero_grad; the optimizer leaves them as they are
             grads = torch.cat([p.grad.detach().float().flatten().cpu() for p in step.model.parameters()])
             weights = torch.cat([p.detach().float().flatten().cpu() for p in step.model.parameters()])
     return torch.tensor(losses, dtype=torch.float64), grads, weights
@@ -68,16 +95,21 @@ def relative(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def errors(run, ref) -> dict[str, float]:
     (losses, grads, weights), (ref_losses, ref_grads, ref_weights) = run, ref
-    return {"loss": relative(losses[:1], ref_losses[:1]), "gradients": relative(grads, ref_grads),
-            "weights": relative(weights, ref_weights),
-            "loss_curve": ((losses - ref_losses).abs() / ref_losses.abs()).max().item()}
+    return {
+        "loss": relative(losses[:1], ref_losses[:1]),
+        "gradients": relative(grads, ref_grads),
+        "weights": relative(weights, ref_weights),
+        "loss_curve": ((losses - ref_losses).abs() / ref_losses.abs()).max().item(),
+    }
 
 
 def check_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
     dtype = DTYPES[args.dtype]
     plain = STACKS["plain"]
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # the reference's matmuls in full float32 (bf16's unaffected)
+        torch.backends.cuda.matmul.allow_tf32 = (
+            False  # the reference's matmuls in full float32 (bf16's unaffected)
+        )
     reference = train(plain, args, device, torch.float32, compile_blocks=False)
     yardstick = errors(train(plain, args, device, dtype, compile_blocks=False), reference)
     rows = []
@@ -85,8 +117,16 @@ def check_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
         run = train(STACKS[name], args, device, dtype, compile_blocks=not args.no_compile)
         for quantity, error in errors(run, reference).items():
             bound = args.tolerance * yardstick[quantity] + args.floor
-            rows.append({"stack": name, "quantity": quantity, "error": error, "yardstick": yardstick[quantity],
-                         "bound": bound, "passed": error <= bound})
+            rows.append(
+                {
+                    "stack": name,
+                    "quantity": quantity,
+                    "error": error,
+                    "yardstick": yardstick[quantity],
+                    "bound": bound,
+                    "passed": error <= bound,
+                }
+            )
     return [row | {"dtype": args.dtype, "steps": args.steps} for row in rows]
 
 

@@ -54,8 +54,12 @@ def padded_head_dim(d: int) -> int:
 def _configs(tiles: list[tuple[int, ...]]) -> list[triton.Config]:
     """(Q_TILE_SIZE, K_TILE_SIZE, num_warps, num_stages[, maxnreg]) tuples as autotune configs."""
     return [
-        triton.Config({"Q_TILE_SIZE": bq, "K_TILE_SIZE": bk}, num_warps=warps, num_stages=stages,
-                      maxnreg=cap[0] if cap else None)
+        triton.Config(
+            {"Q_TILE_SIZE": bq, "K_TILE_SIZE": bk},
+            num_warps=warps,
+            num_stages=stages,
+            maxnreg=cap[0] if cap else None,
+        )
         for bq, bk, warps, stages, *cap in tiles
     ]
 
@@ -86,18 +90,40 @@ else:
     # the capped forward took 16.2 ms against 17.0 (246 registers down to 208, a few spilled) and the capped dQ pass
     # 19.5 ms against 21.6 (191 down to 174, none spilled): the same occupancy, a better schedule; found by a sweep.
     _FWD = _configs(
-        [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 3, 208), (64, 64, 4, 3),
-         (64, 64, 4, 2)]
+        [
+            (128, 64, 4, 3),
+            (128, 64, 8, 3),
+            (128, 64, 8, 4),
+            (128, 128, 8, 3),
+            (128, 128, 8, 3, 208),
+            (64, 64, 4, 3),
+            (64, 64, 4, 2),
+        ]
     )
     # (64, 64, 4, 2): 30.0 ms against 31.0 ms for (64, 128, 8, 3), the one tuned before it, at 32 heads x 32,768 x
     # 128, causal, bf16 on an H200 (a sweep of 30 configs of this kernel).
     _DKDV = _configs(
-        [(32, 128, 8, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 8, 3),
-         (32, 64, 4, 2)]
+        [
+            (32, 128, 8, 3),
+            (64, 128, 8, 3),
+            (32, 128, 4, 3),
+            (64, 64, 4, 3),
+            (64, 64, 4, 2),
+            (32, 64, 8, 3),
+            (32, 64, 4, 2),
+        ]
     )
     _DQ = _configs(
-        [(128, 64, 8, 3), (128, 64, 8, 3, 176), (128, 64, 8, 4, 176), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 8, 3),
-         (64, 64, 4, 3), (64, 32, 4, 2)]
+        [
+            (128, 64, 8, 3),
+            (128, 64, 8, 3, 176),
+            (128, 64, 8, 4, 176),
+            (128, 64, 8, 2),
+            (128, 32, 8, 3),
+            (64, 64, 8, 3),
+            (64, 64, 4, 3),
+            (64, 32, 4, 2),
+        ]
     )
     # Head dims 129-256 (256-wide tiles): two stages of small tiles, so that float32 inputs fit shared memory too.
     _FWD_WIDE = _configs([(64, 32, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2)])

@@ -24,8 +24,21 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, n, lr, beta1, beta2, eps, weight_decay,
-                  step_size, bias_correction2_sqrt, BLOCK: tl.constexpr):
+def _adamw_kernel(
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    n,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step_size,
+    bias_correction2_sqrt,
+    BLOCK: tl.constexpr,
+):
     """torch.optim.AdamW's update (decoupled weight decay, bias-corrected moments) of one block of elements."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
@@ -46,11 +59,19 @@ class FusedAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update, one kernel launch per parameter tensor; the moments are kept in each
     parameter's dtype (as torch.optim.AdamW keeps them)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"FusedAdamW needs lr, eps, weight_decay >= 0 and betas in [0, 1): got lr={lr}, "
-                             f"betas={betas}, eps={eps}, weight_decay={weight_decay}")
+            raise ValueError(
+                f"FusedAdamW needs lr, eps, weight_decay >= 0 and betas in [0, 1): got lr={lr}, "
+                f"betas={betas}, eps={eps}, weight_decay={weight_decay}"
+            )
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         if triton_interpreter.enabled():
             triton_interpreter.patch()
@@ -67,11 +88,15 @@ class FusedAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if not p.is_contiguous() or not p.grad.is_contiguous():
-                    raise ValueError(f"FusedAdamW needs contiguous parameters and gradients: got strides "
-                                     f"{p.stride()} and {p.grad.stride()} for shape {tuple(p.shape)}")
+                    raise ValueError(
+                        f"FusedAdamW needs contiguous parameters and gradients: got strides "
+                        f"{p.stride()} and {p.grad.stride()} for shape {tuple(p.shape)}"
+                    )
                 if p.device.type != "cuda" and not triton_interpreter.enabled():
-                    raise RuntimeError("FusedAdamW runs its Triton kernel on CUDA; set TRITON_INTERPRET=1 (before "
-                                       "importing triton) to run it on the CPU")
+                    raise RuntimeError(
+                        "FusedAdamW runs its Triton kernel on CUDA; set TRITON_INTERPRET=1 (before "
+                        "importing triton) to run it on the CPU"
+                    )
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
@@ -81,8 +106,18 @@ class FusedAdamW(torch.optim.Optimizer):
                 step = state["step"]
                 n = p.numel()
                 _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-                    p, p.grad, state["exp_avg"], state["exp_avg_sq"], n, group["lr"], beta1, beta2, group["eps"],
-                    group["weight_decay"], group["lr"] / (1 - beta1**step), math.sqrt(1 - beta2**step),
+                    p,
+                    p.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    n,
+                    group["lr"],
+                    beta1,
+                    beta2,
+                    group["eps"],
+                    group["weight_decay"],
+                    group["lr"] / (1 - beta1**step),
+                    math.sqrt(1 - beta2**step),
                     BLOCK=_BLOCK,
                 )
         return loss

@@ -28,8 +28,9 @@ _FLOOR = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _cross_entropy_rows_kernel(logits_ptr, targets_ptr, loss_ptr, n_cols, row_stride, scale,
-                               BLOCK: tl.constexpr):
+def _cross_entropy_rows_kernel(
+    logits_ptr, targets_ptr, loss_ptr, n_cols, row_stride, scale, BLOCK: tl.constexpr
+):
     """One program per row: the row's loss, and the row overwritten with scale * (softmax - one-hot)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
@@ -59,19 +60,29 @@ def cross_entropy_rows_(logits: torch.Tensor, targets: torch.Tensor, scale: floa
     """Each row's cross-entropy (float32), with `logits` (rows x vocab, rows contiguous) overwritten by
     scale * (softmax - one-hot): the gradient of scale * loss.sum() with respect to the logits."""
     if logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits must be a 2-D tensor with contiguous rows, got shape {tuple(logits.shape)} "
-                         f"and strides {logits.stride()}")
+        raise ValueError(
+            f"logits must be a 2-D tensor with contiguous rows, got shape {tuple(logits.shape)} "
+            f"and strides {logits.stride()}"
+        )
     if targets.shape != logits.shape[:1]:
         raise ValueError(f"targets must have shape ({logits.shape[0]},), got {tuple(targets.shape)}")
     if not logits.is_cuda and not triton_interpreter.enabled():
-        raise ValueError(f"the cross-entropy kernel needs CUDA tensors, but logits are on {logits.device}; set "
-                         "TRITON_INTERPRET=1 (before importing triton) to run it on the CPU")
+        raise ValueError(
+            f"the cross-entropy kernel needs CUDA tensors, but logits are on {logits.device}; set "
+            "TRITON_INTERPRET=1 (before importing triton) to run it on the CPU"
+        )
     if triton_interpreter.enabled():
         triton_interpreter.patch()
     loss = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
     block = min(4096, triton.next_power_of_2(logits.shape[1]))
     _cross_entropy_rows_kernel[(logits.shape[0],)](
-        logits, targets.contiguous(), loss, logits.shape[1], logits.stride(0), scale, BLOCK=block,
+        logits,
+        targets.contiguous(),
+        loss,
+        logits.shape[1],
+        logits.stride(0),
+        scale,
+        BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )
     return loss
@@ -94,8 +105,11 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         scale = 1.0 / n if mean else 1.0
         loss = torch.empty(n, dtype=torch.float32, device=h.device)
         grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device) if h.requires_grad else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if weight.requires_grad else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if weight.requires_grad
+            else None
+        )
         for start in range(0, n, chunk):
             rows = slice(start, min(start + chunk, n))
             logits = h[rows] @ weight.T
@@ -126,10 +140,14 @@ def fused_linear_cross_entropy(
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     if weight.dim() != 2 or h.shape[-1] != weight.shape[1]:
-        raise ValueError(f"h (..., d) and weight (vocab, d) must agree on d: got h {tuple(h.shape)} and weight "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"h (..., d) and weight (vocab, d) must agree on d: got h {tuple(h.shape)} and weight "
+            f"{tuple(weight.shape)}"
+        )
     if targets.shape != h.shape[:-1]:
-        raise ValueError(f"targets must have h's leading shape {tuple(h.shape[:-1])}, got {tuple(targets.shape)}")
+        raise ValueError(
+            f"targets must have h's leading shape {tuple(h.shape[:-1])}, got {tuple(targets.shape)}"
+        )
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     return FusedLinearCrossEntropy.apply(

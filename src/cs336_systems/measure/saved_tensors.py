@@ -125,21 +125,23 @@ def record_saved_tensors(module: nn.Module, x: torch.Tensor, track_modules: bool
         # Parameters and buffers are the module's own state: saving them costs no memory.
         counted = not is_parameter and key not in buffers and alias_of == index
         storage_bytes = t.untyped_storage().nbytes()
-        records.append({
-            "index": index,
-            "module_path": where[index],
-            "saved_by": saved_by.get(index, "unknown"),
-            "producer": producer,
-            "shape": "x".join(map(str, t.shape)),
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "bytes": t.numel() * t.element_size(),
-            "storage_bytes": storage_bytes,
-            "is_parameter": is_parameter,
-            "is_parameter_object": isinstance(t, nn.Parameter),
-            "alias_of": None if alias_of == index else alias_of,
-            "counted": counted,
-            "counted_bytes": storage_bytes if counted else 0,
-        })
+        records.append(
+            {
+                "index": index,
+                "module_path": where[index],
+                "saved_by": saved_by.get(index, "unknown"),
+                "producer": producer,
+                "shape": "x".join(map(str, t.shape)),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "bytes": t.numel() * t.element_size(),
+                "storage_bytes": storage_bytes,
+                "is_parameter": is_parameter,
+                "is_parameter_object": isinstance(t, nn.Parameter),
+                "alias_of": None if alias_of == index else alias_of,
+                "counted": counted,
+                "counted_bytes": storage_bytes if counted else 0,
+            }
+        )
     return records
 
 
@@ -165,26 +167,37 @@ class _Saved:
         self.records: list[dict] = []
         self.storages: dict[str, tuple[int, bool]] = {}  # name -> (bytes, is_parameter)
 
-    def add(self, module_path: str, op: str, shape: tuple, storage: str, storage_shape: tuple | None = None,
-            dtype: str = "float32", parameter: bool = False, parameter_object: bool = False) -> None:
+    def add(
+        self,
+        module_path: str,
+        op: str,
+        shape: tuple,
+        storage: str,
+        storage_shape: tuple | None = None,
+        dtype: str = "float32",
+        parameter: bool = False,
+        parameter_object: bool = False,
+    ) -> None:
         size = 1 if dtype == "bool" else 4
         storage_bytes = math.prod(storage_shape or shape) * size
         first = storage not in self.storages
         self.storages.setdefault(storage, (storage_bytes, parameter))
         counted = first and not parameter
-        self.records.append({
-            "module_path": module_path,
-            "saved_by": op,
-            "producer": "parameter" if parameter else storage,
-            "shape": "x".join(map(str, shape)),
-            "dtype": dtype,
-            "bytes": math.prod(shape) * size,
-            "storage_bytes": storage_bytes,
-            "is_parameter": parameter,
-            "is_parameter_object": parameter_object,  # the Parameter itself, not a view such as W^T
-            "counted": counted,
-            "counted_bytes": storage_bytes if counted else 0,
-        })
+        self.records.append(
+            {
+                "module_path": module_path,
+                "saved_by": op,
+                "producer": "parameter" if parameter else storage,
+                "shape": "x".join(map(str, shape)),
+                "dtype": dtype,
+                "bytes": math.prod(shape) * size,
+                "storage_bytes": storage_bytes,
+                "is_parameter": parameter,
+                "is_parameter_object": parameter_object,  # the Parameter itself, not a view such as W^T
+                "counted": counted,
+                "counted_bytes": storage_bytes if counted else 0,
+            }
+        )
 
     def rmsnorm(self, path: str, x: str, batch: int, seq: int, d: int) -> None:
         """x * rsqrt(mean(x^2) + eps) * weight: pow saves x, rsqrt its result r, x * r both, (x r) * w both."""
@@ -202,8 +215,15 @@ class _Saved:
         self.add(path, "MmBackward0", (d_in, d_out), f"{path}.weight", parameter=True)
 
 
-def analytic_residuals(module: str, batch: int, seq: int, d_model: int, d_ff: int = 0, num_heads: int = 1,
-                       attention: str = "naive") -> list[dict]:
+def analytic_residuals(
+    module: str,
+    batch: int,
+    seq: int,
+    d_model: int,
+    d_ff: int = 0,
+    num_heads: int = 1,
+    attention: str = "naive",
+) -> list[dict]:
     """What each op of `module` ("rmsnorm": our RMSNorm on (batch, seq, d_model); "block": one pre-norm
     Transformer block with `attention` "naive" or "flash_triton") saves for backward in eager float32."""
     if module not in MODULES:
@@ -269,12 +289,15 @@ def flash_unavailable(cfg: ModelConfig, device: torch.device) -> str | None:
     return None
 
 
-def measure(module_name: str, mode: str, cfg: ModelConfig, batch_size: int, device: torch.device,
-            seed: int = 0) -> list[dict]:
+def measure(
+    module_name: str, mode: str, cfg: ModelConfig, batch_size: int, device: torch.device, seed: int = 0
+) -> list[dict]:
     """The saved tensors of one forward of `module_name` ("rmsnorm": RMSNorm(d_model); "block": one Transformer
     block of `cfg`) on a random (batch, context_length, d_model) float32 input, eager or under torch.compile."""
     if module_name not in MODULES or mode not in MODES:
-        raise ValueError(f"module must be one of {MODULES} and mode one of {MODES}: got {module_name!r}, {mode!r}")
+        raise ValueError(
+            f"module must be one of {MODULES} and mode one of {MODES}: got {module_name!r}, {mode!r}"
+        )
     torch.manual_seed(seed)
     module = (RMSNorm(cfg.d_model) if module_name == "rmsnorm" else TransformerBlock(cfg)).to(device)
     x = torch.randn(batch_size, cfg.context_length, cfg.d_model, device=device)
@@ -282,6 +305,8 @@ def measure(module_name: str, mode: str, cfg: ModelConfig, batch_size: int, devi
         return record_saved_tensors(module, x)
     torch._dynamo.reset()  # each configuration compiles afresh (no recompile limit across configurations)
     compiled = torch.compile(module, fullgraph=True)
-    compiled(x.detach().requires_grad_()).sum().backward()  # compile outside the hooks, as a training step would
+    compiled(
+        x.detach().requires_grad_()
+    ).sum().backward()  # compile outside the hooks, as a training step would
     module.zero_grad(set_to_none=True)
     return record_saved_tensors(compiled, x, track_modules=False)

@@ -67,7 +67,9 @@ def timeline(trace: dict[str, Any], step_name: str) -> list[dict[str, Any]]:
         lanes = [(f"stream {e.get('args', {}).get('stream', e['tid'])}", e) for e in device]
     else:
         operators = [e for e in inside if e.get("cat") == "cpu_op"]
-        collectives = [e for e in inside if e.get("cat") == "user_annotation" and COMMUNICATION.search(e["name"])]
+        collectives = [
+            e for e in inside if e.get("cat") == "user_annotation" and COMMUNICATION.search(e["name"])
+        ]
         workers = sorted({e["tid"] for e in collectives} - {main_thread}, key=str)
         names = {main_thread: "main thread"} | {tid: f"thread {i + 1}" for i, tid in enumerate(workers)}
         lanes = [(names[e["tid"]], e) for e in outermost(operators) + collectives if e["tid"] in names]
@@ -116,13 +118,20 @@ def stream_timeline(trace: dict[str, Any], step_name: str, layer_prefix: str = "
     begin, end, main_thread = mark["ts"], mark["ts"] + mark["dur"], mark["tid"]
     inside = [e for e in events if begin <= e["ts"] < end]
     launched_at = {
-        e["args"]["correlation"]: e["ts"] for e in inside if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})
+        e["args"]["correlation"]: e["ts"]
+        for e in inside
+        if e.get("cat") in LAUNCHES and "correlation" in e.get("args", {})
     }
     ranges = []
     if layer_prefix:
         for e in inside:
             label = e["name"].removeprefix(layer_prefix)
-            if e.get("cat") == "user_annotation" and e["tid"] == main_thread and label != e["name"] and label.isdigit():
+            if (
+                e.get("cat") == "user_annotation"
+                and e["tid"] == main_thread
+                and label != e["name"]
+                and label.isdigit()
+            ):
                 ranges.append((e["ts"], e["ts"] + e["dur"], int(label)))
 
     def layer_of(kernel: dict) -> int | None:
@@ -148,7 +157,9 @@ def stream_timeline(trace: dict[str, Any], step_name: str, layer_prefix: str = "
 def outermost(events: list[dict]) -> list[dict]:
     """The events not nested inside another event of the same thread (a thread's operators nest as a stack)."""
     kept, open_until = [], {}
-    for e in sorted(events, key=lambda e: (str(e["tid"]), e["ts"], -e["dur"])):  # thread ids: numbers or names
+    for e in sorted(
+        events, key=lambda e: (str(e["tid"]), e["ts"], -e["dur"])
+    ):  # thread ids: numbers or names
         if e["ts"] >= open_until.get(e["tid"], float("-inf")):
             kept.append(e)
             open_until[e["tid"]] = e["ts"] + e["dur"]

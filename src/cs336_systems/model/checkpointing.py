@@ -43,8 +43,8 @@ SELECTIVE = {"selective": MATMUL_OPS | ATTENTION_OPS, "selective:attention": ATT
 
 # While `saved_bytes` counts, the outputs that selective checkpointing caches are reported here (None: the policy
 # cannot see them, as in torch < 2.12, whose policy context has no `op_output`).
-_cached_output_seen: contextvars.ContextVar[Callable[[torch.Tensor | None], None] | None] = contextvars.ContextVar(
-    "cached_output_seen", default=None
+_cached_output_seen: contextvars.ContextVar[Callable[[torch.Tensor | None], None] | None] = (
+    contextvars.ContextVar("cached_output_seen", default=None)
 )
 
 
@@ -161,7 +161,9 @@ def saved_bytes(forward: Callable[[], object]) -> int | None:
 # The model of the residual sizes (§3.2 a, b).
 
 
-def held_during_backward(policy: str, num_layers: int, residual: float, checkpoint_bytes: float) -> list[float]:
+def held_during_backward(
+    policy: str, num_layers: int, residual: float, checkpoint_bytes: float
+) -> list[float]:
     """Bytes saved for backward that are alive while block i (1..N, list index i-1) runs backward, gradients
     aside: the checkpoints still held and the residuals of the blocks recomputed and not yet done. A block's R
     includes its input, which is the checkpoint it was recomputed from, so that one is not counted twice."""
@@ -205,7 +207,10 @@ def optimal_k(num_layers: int, residual: float, checkpoint_bytes: float, grad_pe
     """The one-level K (every:K) with the smallest predicted peak; the smallest such K on ties."""
     return min(
         range(1, num_layers + 1),
-        key=lambda k: (predicted_peak(f"every:{k}", num_layers, residual, checkpoint_bytes, grad_per_block), k),
+        key=lambda k: (
+            predicted_peak(f"every:{k}", num_layers, residual, checkpoint_bytes, grad_per_block),
+            k,
+        ),
     )
 
 

@@ -85,7 +85,12 @@ from cs336_systems.parallel.distributed import CommunicationTimer, all_gather_fl
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 # what last_communication counts, per step: bytes this rank received (all-gathers) or sent (reductions); exact
 # mode adds its activations and output gradients
-BYTES_KEYS = ("bytes_all_gathered", "bytes_reduce_scattered", "bytes_all_reduced", "bytes_activations_gathered")
+BYTES_KEYS = (
+    "bytes_all_gathered",
+    "bytes_reduce_scattered",
+    "bytes_all_reduced",
+    "bytes_activations_gathered",
+)
 
 
 def is_sharded_layer(module: nn.Module) -> bool:
@@ -108,8 +113,11 @@ class StepCommunication:
     bytes_moved: dict[str, float]
 
     def stats(self) -> dict[str, float]:
-        return {"gather_wait_s": sum(timer.seconds for timer in self.gather_waits),
-                "sync_wait_s": self.sync_wait.seconds, **self.bytes_moved}
+        return {
+            "gather_wait_s": sum(timer.seconds for timer in self.gather_waits),
+            "sync_wait_s": self.sync_wait.seconds,
+            **self.bytes_moved,
+        }
 
 
 class _ShardedWeight:
@@ -124,7 +132,9 @@ class _ShardedWeight:
         padded = torch.zeros(self.shard_numel * world, dtype=weight.dtype, device=weight.device)
         padded[: self.numel] = weight.detach().reshape(-1)
         self.shard = nn.Parameter(self.own_chunk(padded).clone())
-        layer._parameters["weight"] = self.shard  # the layer's parameter is now its shard, under the same name
+        layer._parameters["weight"] = (
+            self.shard
+        )  # the layer's parameter is now its shard, under the same name
         # The gathered weight: a flat buffer (what the all-gather writes) and `full`, a leaf tensor on the same
         # storage with its own version counter, which the layer computes with and autograd saves; the storage is
         # freed between uses (resized to 0) and refilled before the backward reads it again.
@@ -182,7 +192,9 @@ class _ExactCall:
     weights: list[_ShardedWeight]
     params: list[tuple[nn.Module, str, nn.Parameter]]
     unit: int | None  # index into FullyShardedDataParallel.units; None for a module of replicated parameters
-    cast: torch.dtype | None  # the dtype its floating-point inputs and parameters were cast to (None: as they are)
+    cast: (
+        torch.dtype | None
+    )  # the dtype its floating-point inputs and parameters were cast to (None: as they are)
 
 
 class _WholeBatch(torch.autograd.Function):
@@ -209,19 +221,32 @@ def _broadcast_from_rank0(module: nn.Module) -> None:
 
 
 class FullyShardedDataParallel(nn.Module):
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, prefetch_distance: int = 2,
-                 units: Iterable[nn.Module] = (), exact: bool = False, gradient_divide_factor: float | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        compute_dtype: torch.dtype | None = None,
+        prefetch_distance: int = 2,
+        units: Iterable[nn.Module] = (),
+        exact: bool = False,
+        gradient_divide_factor: float | None = None,
+    ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs an initialised process group (dist.init_process_group)")
+            raise RuntimeError(
+                f"{type(self).__name__} needs an initialised process group (dist.init_process_group)"
+            )
         if prefetch_distance < 1:
             raise ValueError(f"prefetch_distance must be >= 1, got {prefetch_distance}")
         if gradient_divide_factor is not None and gradient_divide_factor <= 0:
             raise ValueError(f"gradient_divide_factor must be positive, got {gradient_divide_factor}")
         if dist.get_backend() == "nccl":
-            on_cpu = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if not t.is_cuda]
+            on_cpu = [
+                name for name, t in [*module.named_parameters(), *module.named_buffers()] if not t.is_cuda
+            ]
             if on_cpu:
-                raise ValueError(f"NCCL needs CUDA tensors; move the model to its GPU before wrapping: {on_cpu[:5]}")
+                raise ValueError(
+                    f"NCCL needs CUDA tensors; move the model to its GPU before wrapping: {on_cpu[:5]}"
+                )
         self.module = module
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.prefetch_distance = prefetch_distance
@@ -240,8 +265,10 @@ class FullyShardedDataParallel(nn.Module):
                 continue
             name = f"{layer_name}.weight" if layer_name else "weight"
             if id(layer.weight) in owner:
-                raise ValueError(f"{type(self).__name__}: {name} and {owner[id(layer.weight)]} are one tied "
-                                 "Parameter; tied weights cannot be sharded")
+                raise ValueError(
+                    f"{type(self).__name__}: {name} and {owner[id(layer.weight)]} are one tied "
+                    "Parameter; tied weights cannot be sharded"
+                )
             owner[id(layer.weight)] = name
             if layer.weight.requires_grad:
                 dtype = compute_dtype or layer.weight.dtype
@@ -261,7 +288,9 @@ class FullyShardedDataParallel(nn.Module):
         self._seen: list[int] = []
         self._in_backward = False  # from the backward's first unit until the next forward or synchronisation
         self._unit_of_weight = {w: u for u, (_, indices) in enumerate(self.units) for w in indices}
-        self._grads_pending = [0] * len(self.units)  # per unit, weight gradients its backward has yet to produce
+        self._grads_pending = [0] * len(
+            self.units
+        )  # per unit, weight gradients its backward has yet to produce
         self._reductions: list[tuple[dist.Work | None, torch.Tensor, nn.Parameter]] = []
         self._exact_grads: dict[nn.Parameter, torch.Tensor] = {}  # replicated gradients summed over the batch
         self._calls: dict[nn.Module, list[_ExactCall]] = {}  # exact calls between a module's two hooks
@@ -293,7 +322,9 @@ class FullyShardedDataParallel(nn.Module):
         unit_of: dict[nn.Module, nn.Module] = {}
         for i, unit in enumerate(units):
             if id(unit) not in inside:
-                raise ValueError(f"units[{i}] ({type(unit).__name__}) is not a submodule of the wrapped module")
+                raise ValueError(
+                    f"units[{i}] ({type(unit).__name__}) is not a submodule of the wrapped module"
+                )
             for layer in unit.modules():
                 if layer in unit_of:
                     raise ValueError(f"units[{i}] ({type(unit).__name__}) overlaps an earlier unit")
@@ -312,12 +343,16 @@ class FullyShardedDataParallel(nn.Module):
             if any(id(m) in in_unit for m in owner.modules()):
                 if not self.exact:
                     continue
-                raise ValueError(f"exact mode: {name or 'the wrapped module'} ({type(owner).__name__}) holds "
-                                 "replicated parameters and contains sharded layers; its parameters' gradients "
-                                 "cannot be computed over the whole batch alone: move them into a submodule")
+                raise ValueError(
+                    f"exact mode: {name or 'the wrapped module'} ({type(owner).__name__}) holds "
+                    "replicated parameters and contains sharded layers; its parameters' gradients "
+                    "cannot be computed over the whole batch alone: move them into a submodule"
+                )
             if self.exact and any(m is not owner and m in owners for m in owner.modules()):
-                raise ValueError(f"exact mode: {name} ({type(owner).__name__}) holds replicated parameters and "
-                                 "contains another module that does")
+                raise ValueError(
+                    f"exact mode: {name} ({type(owner).__name__}) holds replicated parameters and "
+                    "contains another module that does"
+                )
             owners.append(owner)
         return owners
 
@@ -343,7 +378,8 @@ class FullyShardedDataParallel(nn.Module):
             if weight.start_gather():
                 started = True
                 self._bytes["bytes_all_gathered"] += (
-                    (self.world - 1) * weight.shard_numel * weight.buffer.element_size())
+                    (self.world - 1) * weight.shard_numel * weight.buffer.element_size()
+                )
         if started and self.record_events:
             self.events.append(("gather", unit))
 
@@ -362,8 +398,10 @@ class FullyShardedDataParallel(nn.Module):
         weights = [self.weights[index] for index in self.units[unit][1]]
         if self._in_backward:  # activation checkpointing recomputes the unit's forward for its backward
             if self.exact:
-                raise RuntimeError("exact mode does not support activation checkpointing: a unit's forward ran "
-                                   "again during the backward")
+                raise RuntimeError(
+                    "exact mode does not support activation checkpointing: a unit's forward ran "
+                    "again during the backward"
+                )
             self._wait_gathered(unit)
             for weight in weights:
                 weight.use_full_weight()
@@ -375,7 +413,9 @@ class FullyShardedDataParallel(nn.Module):
                 self._gather(self._neighbour(unit, ahead))
         self._wait_gathered(unit)
         if self.exact and torch.is_grad_enabled():
-            return self._start_exact_call(module, args, weights, self._unit_params[unit], unit, self.compute_dtype)
+            return self._start_exact_call(
+                module, args, weights, self._unit_params[unit], unit, self.compute_dtype
+            )
         for weight in weights:
             weight.use_full_weight()
         return self._use_compute_dtype(unit, args)
@@ -393,7 +433,9 @@ class FullyShardedDataParallel(nn.Module):
         for index in self.units[unit][1]:
             self.weights[index].use_shard()
         _put_back(self._unit_params[unit])
-        if self._in_backward:  # a recomputation: the backward still needs the weights (_gradient_ready frees them)
+        if (
+            self._in_backward
+        ):  # a recomputation: the backward still needs the weights (_gradient_ready frees them)
             return output
         for index in self.units[unit][1]:
             self.weights[index].free()
@@ -420,23 +462,33 @@ class FullyShardedDataParallel(nn.Module):
         if not self.exact or not torch.is_grad_enabled():
             return args
         if self._in_backward:
-            raise RuntimeError("exact mode does not support activation checkpointing: a module's forward ran "
-                               "again during the backward")
+            raise RuntimeError(
+                "exact mode does not support activation checkpointing: a module's forward ran "
+                "again during the backward"
+            )
         return self._start_exact_call(module, args, [], params, None, None)
 
     def _after_replicated_forward(self, module: nn.Module, _inputs, output):
         return self._finish_exact_call(module, output) if self._calls.get(module) else output
 
-    def _start_exact_call(self, module: nn.Module, args: tuple, weights: list[_ShardedWeight],
-                          params: list[tuple[nn.Module, str, nn.Parameter]], unit: int | None,
-                          cast: torch.dtype | None) -> tuple:
+    def _start_exact_call(
+        self,
+        module: nn.Module,
+        args: tuple,
+        weights: list[_ShardedWeight],
+        params: list[tuple[nn.Module, str, nn.Parameter]],
+        unit: int | None,
+        cast: torch.dtype | None,
+    ) -> tuple:
         """Exact mode's forward pre-hook: the module will run over the whole batch (its inputs from every rank,
         in rank order, cast to `cast` with its parameters) with its weights and parameters detached, so that it
         builds no graph; _finish_exact_call keeps this rank's rows and the graph to the backward over the whole
         batch."""
         if any(not isinstance(a, torch.Tensor) for a in args) or not args:
-            raise TypeError(f"exact mode: {type(module).__name__}'s forward must take tensors only (positional), "
-                            f"got {[type(a).__name__ for a in args]}")
+            raise TypeError(
+                f"exact mode: {type(module).__name__}'s forward must take tensors only (positional), "
+                f"got {[type(a).__name__ for a in args]}"
+            )
         local = tuple(_cast(a, cast) for a in args)
         rows = self._rows_per_rank(local)
         inputs = tuple(self._all_gather_rows(a.detach(), rows) for a in local)
@@ -455,8 +507,10 @@ class FullyShardedDataParallel(nn.Module):
         call = self._calls[module].pop()
         _put_back(call.params)
         if not isinstance(output, torch.Tensor) or output.shape[0] != sum(call.rows):
-            raise TypeError(f"exact mode: {type(module).__name__} must return one tensor with the batch as "
-                            f"dimension 0 ({sum(call.rows)} rows), got {getattr(output, 'shape', type(output))}")
+            raise TypeError(
+                f"exact mode: {type(module).__name__} must return one tensor with the batch as "
+                f"dimension 0 ({sum(call.rows)} rows), got {getattr(output, 'shape', type(output))}"
+            )
         differentiable = [a for a in call.local if a.requires_grad]
         call.local = ()  # the backward needs only the whole batch's inputs
         return _WholeBatch.apply(self, call, output, self._anchor, *differentiable)
@@ -465,8 +519,10 @@ class FullyShardedDataParallel(nn.Module):
         """Every rank's batch size (dimension 0 of its inputs, which must agree)."""
         sizes = {a.shape[0] if a.dim() else None for a in args}
         if len(sizes) != 1 or None in sizes:
-            raise ValueError(f"exact mode: inputs must share dimension 0, the batch; got shapes "
-                             f"{[tuple(a.shape) for a in args]}")
+            raise ValueError(
+                f"exact mode: inputs must share dimension 0, the batch; got shapes "
+                f"{[tuple(a.shape) for a in args]}"
+            )
         if self.world == 1:
             return [sizes.pop()]
         device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -504,7 +560,9 @@ class FullyShardedDataParallel(nn.Module):
         the replicated parameters' gradients summed, and this rank's rows of the input gradients returned."""
         self._in_backward = True
         grad = self._all_gather_rows(grad, call.rows)
-        inputs = [a.detach().requires_grad_(needs) for a, needs in zip(call.inputs, call.needs_grad, strict=True)]
+        inputs = [
+            a.detach().requires_grad_(needs) for a, needs in zip(call.inputs, call.needs_grad, strict=True)
+        ]
         device, enabled, dtype = call.autocast
         with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             for weight in call.weights:
@@ -525,7 +583,9 @@ class FullyShardedDataParallel(nn.Module):
             flat = torch.zeros_like(weight.buffer) if weight_grad is None else weight_grad.reshape(-1)
             if flat.numel() < weight.buffer.numel():
                 flat = torch.nn.functional.pad(flat, (0, weight.buffer.numel() - flat.numel()))
-            self._reductions.append((None, weight.own_chunk(flat).to(weight.shard.dtype).clone(), weight.shard))
+            self._reductions.append(
+                (None, weight.own_chunk(flat).to(weight.shard.dtype).clone(), weight.shard)
+            )
             weight.free()
         for (_, _, param), param_grad in zip(call.params, rest[len(call.weights) :], strict=True):
             if param_grad is not None:
@@ -616,19 +676,26 @@ class FullyShardedDataParallel(nn.Module):
         in `module.named_parameters()`. A collective: every rank must call it."""
         full = {name: p.detach().clone() for name, p in self.module.named_parameters()}
         for weight in self.weights:
-            gathered = torch.empty(weight.shard_numel * self.world, dtype=weight.shard.dtype, device=weight.shard.device)
+            gathered = torch.empty(
+                weight.shard_numel * self.world, dtype=weight.shard.dtype, device=weight.shard.device
+            )
             all_gather_flat(gathered, weight.shard.detach())
             full[weight.name] = gathered[: weight.numel].view(weight.shape).clone()
         return full
 
 
-def _replicated_params(module: nn.Module, sharded: set[int], recurse: bool = True
-                       ) -> list[tuple[nn.Module, str, nn.Parameter]]:
+def _replicated_params(
+    module: nn.Module, sharded: set[int], recurse: bool = True
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """The trainable floating-point parameters in `module` (itself only, unless `recurse`) that are not shards,
     as (owner, name, parameter)."""
     owners = module.modules() if recurse else [module]
-    return [(owner, name, p) for owner in owners for name, p in owner._parameters.items()
-            if p is not None and p.requires_grad and p.is_floating_point() and id(p) not in sharded]
+    return [
+        (owner, name, p)
+        for owner in owners
+        for name, p in owner._parameters.items()
+        if p is not None and p.requires_grad and p.is_floating_point() and id(p) not in sharded
+    ]
 
 
 def _cast(value, dtype: torch.dtype | None):

@@ -44,8 +44,9 @@ def slurm_rendezvous(environ: dict[str, str]) -> tuple[str, str] | None:
     if not nodelist or not job:
         return None
     if shutil.which("scontrol"):
-        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                               check=True).stdout.split()
+        hosts = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+        ).stdout.split()
         host = hosts[0]
     else:
         host = first_host(nodelist)
@@ -60,23 +61,38 @@ def torchrun_nodes(args: argparse.Namespace, p: argparse.ArgumentParser) -> list
     if endpoint is None or rdzv_id is None:
         found = slurm_rendezvous(dict(os.environ))
         if found is None:
-            p.error(f"--nnodes {args.nnodes} needs --rdzv-endpoint and --rdzv-id, or a SLURM job "
-                    "(SLURM_JOB_NODELIST and SLURM_JOB_ID) to take them from")
+            p.error(
+                f"--nnodes {args.nnodes} needs --rdzv-endpoint and --rdzv-id, or a SLURM job "
+                "(SLURM_JOB_NODELIST and SLURM_JOB_ID) to take them from"
+            )
         endpoint, rdzv_id = endpoint or found[0], rdzv_id or found[1]
-    return [f"--nnodes={args.nnodes}", f"--nproc-per-node={args.nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+    return [
+        f"--nnodes={args.nnodes}",
+        f"--nproc-per-node={args.nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}",
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     p = cli.parser(__doc__, seed=False)  # --out: the experiment's output, passed on to it
-    p.add_argument("--nproc", type=cli.positive_int, required=True,
-                   help="processes on this node (one per GPU with nccl)")
+    p.add_argument(
+        "--nproc", type=cli.positive_int, required=True, help="processes on this node (one per GPU with nccl)"
+    )
     p.add_argument("--nnodes", type=cli.positive_int, default=1, help="nodes, one launcher on each")
-    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="several nodes: where they meet (default: SLURM's)")
+    p.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="several nodes: where they meet (default: SLURM's)"
+    )
     p.add_argument("--rdzv-id", help="several nodes: the job's rendezvous id (default: SLURM_JOB_ID)")
     p.add_argument("--backend", choices=BACKENDS, required=True)
-    p.add_argument("--also", action="append", default=[], metavar="CSV",
-                   help="another output of the experiment, which gets the skipped row too (repeatable)")
+    p.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="CSV",
+        help="another output of the experiment, which gets the skipped row too (repeatable)",
+    )
     p.add_argument("module", help="experiment module, e.g. cs336_systems.experiments.ddp_benchmark")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="the experiment's own flags (after --)")
     args = p.parse_args(argv)

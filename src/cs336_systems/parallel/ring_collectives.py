@@ -28,7 +28,10 @@ def _ring_step(send: torch.Tensor, receive: torch.Tensor, traffic: Traffic, grou
     right, left = ((rank + step) % world for step in (1, -1))
     if group is not None:  # point-to-point peers are global ranks
         right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
-    ops = [dist.P2POp(dist.isend, send.contiguous(), right, group), dist.P2POp(dist.irecv, receive, left, group)]
+    ops = [
+        dist.P2POp(dist.isend, send.contiguous(), right, group),
+        dist.P2POp(dist.irecv, receive, left, group),
+    ]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
     traffic.bytes_sent += send.numel() * send.element_size()
@@ -72,7 +75,9 @@ def ring_all_reduce(x: torch.Tensor, traffic: Traffic | None = None, group: Grou
     return ring_all_gather(ring_reduce_scatter(x, traffic, group), traffic, group)
 
 
-def alternate_all_reduce(x: torch.Tensor, traffic: Traffic | None = None, group: Group = None) -> torch.Tensor:
+def alternate_all_reduce(
+    x: torch.Tensor, traffic: Traffic | None = None, group: Group = None
+) -> torch.Tensor:
     """§8.1's alternative: each rank forwards whole inputs around the ring and adds each one it receives."""
     traffic = Traffic() if traffic is None else traffic
     world = dist.get_world_size(group)

@@ -188,7 +188,11 @@ def log_slope(x: pd.Series, y: pd.Series) -> float:
 def checkpoint_policy_key(policy: str) -> tuple[int, int, str]:
     """Sort key: none, every:1 .. every:N, nested, the selective ones."""
     kind, _, k = policy.partition(":")
-    return {"none": 0, "every": 1, "nested": 2, "selective": 3}.get(kind, 4), int(k) if k.isdigit() else 0, policy
+    return (
+        {"none": 0, "every": 1, "nested": 2, "selective": 3}.get(kind, 4),
+        int(k) if k.isdigit() else 0,
+        policy,
+    )
 
 
 def checkpointing_cells(cells: pd.DataFrame, block: pd.Series) -> pd.DataFrame:
@@ -196,9 +200,14 @@ def checkpointing_cells(cells: pd.DataFrame, block: pd.Series) -> pd.DataFrame:
     residual model's `predicted_mib` (activations and block gradients at the backward's peak, from the block's
     measured R, c, w; NaN for selective, which the model leaves out) and `forward_evaluations`."""
     from cs336_systems.model import checkpointing
+
     n = int(block["num_layers"])
     sizes = [block[key] for key in ("residual_bytes", "checkpoint_bytes", "grad_bytes_per_block")]
-    out = cells.assign(order=cells["policy"].map(checkpoint_policy_key)).sort_values("order").drop(columns="order")
+    out = (
+        cells.assign(order=cells["policy"].map(checkpoint_policy_key))
+        .sort_values("order")
+        .drop(columns="order")
+    )
     out["k"] = out["policy"].map(lambda p: float(p.split(":")[1]) if p.startswith("every:") else math.nan)
     out["saved_mib"] = out.get("saved_bytes", pd.Series(math.nan, index=out.index)) / MIB
     out["predicted_mib"] = [
@@ -234,8 +243,12 @@ def best_one_level(cells: pd.DataFrame, value: str) -> dict[str, Any] | None:
         row = every.loc[k]
         return {"k": int(k), "status": row["status"], "value": row[value] if row["status"] == "ok" else None}
 
-    return {"k": int(best), "value": float(ok.loc[best, value]), "smaller": neighbour(best - 1),
-            "larger": neighbour(best + 1)}
+    return {
+        "k": int(best),
+        "value": float(ok.loc[best, value]),
+        "smaller": neighbour(best - 1),
+        "larger": neighbour(best + 1),
+    }
 
 
 def analytic_optimum(block: pd.Series) -> dict[str, float]:
@@ -243,6 +256,7 @@ def analytic_optimum(block: pd.Series) -> dict[str, float]:
     peak in MiB; also the K of the pure activation model (no gradients) and sqrt(N c / R), its continuous
     approximation."""
     from cs336_systems.model import checkpointing
+
     n = int(block["num_layers"])
     r, c, w = (float(block[key]) for key in ("residual_bytes", "checkpoint_bytes", "grad_bytes_per_block"))
     k = checkpointing.optimal_k(n, r, c, w)
@@ -264,17 +278,20 @@ def nested_asymptotics(depths: list[int], block: pd.Series) -> pd.DataFrame:
     """Per depth N, the residual model's peak activation memory (no gradients: §3.2 a) of none, every:1 and
     nested, the checkpoints nested holds at its peak, and the block forwards (compute) of every:1 and nested."""
     from cs336_systems.model import checkpointing
+
     r, c = float(block["residual_bytes"]), float(block["checkpoint_bytes"])
     rows = []
     for n in depths:
         peaks = {p: checkpointing.predicted_peak(p, n, r, c) / MIB for p in ("none", "every:1", "nested")}
-        rows.append({
-            "num_layers": n,
-            **{f"{p}_mib": v for p, v in peaks.items()},
-            "nested_checkpoints": round((peaks["nested"] * MIB - r) / c),
-            "every_1_forwards": checkpointing.forward_evaluations("every:1", n),
-            "nested_forwards": checkpointing.forward_evaluations("nested", n),
-        })
+        rows.append(
+            {
+                "num_layers": n,
+                **{f"{p}_mib": v for p, v in peaks.items()},
+                "nested_checkpoints": round((peaks["nested"] * MIB - r) / c),
+                "every_1_forwards": checkpointing.forward_evaluations("every:1", n),
+                "nested_forwards": checkpointing.forward_evaluations("nested", n),
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -293,27 +310,42 @@ def residual_totals(frame: pd.DataFrame) -> pd.DataFrame:
     for key, group in frame.groupby(RESIDUAL_KEYS, sort=False):
         ok = group[group["status"] == "ok"]
         status = "ok" if len(ok) else str(group["status"].iloc[0])
-        rows.append({
-            **dict(zip(RESIDUAL_KEYS, key, strict=True)),
-            "status": status,
-            "reason": group["reason"].dropna().iloc[0] if "reason" in group and group["reason"].notna().any()
-            else None,
-            "tensors": len(ok),
-            "storages": int(ok["counted"].astype(bool).sum()),
-            "counted_mib": ok["counted_bytes"].sum() / MIB if len(ok) else math.nan,
-            "handout_mib": ok.loc[~ok["is_parameter_object"].astype(bool), "bytes"].sum() / MIB
-            if len(ok) else math.nan,
-        })
+        rows.append(
+            {
+                **dict(zip(RESIDUAL_KEYS, key, strict=True)),
+                "status": status,
+                "reason": group["reason"].dropna().iloc[0]
+                if "reason" in group and group["reason"].notna().any()
+                else None,
+                "tensors": len(ok),
+                "storages": int(ok["counted"].astype(bool).sum()),
+                "counted_mib": ok["counted_bytes"].sum() / MIB if len(ok) else math.nan,
+                "handout_mib": ok.loc[~ok["is_parameter_object"].astype(bool), "bytes"].sum() / MIB
+                if len(ok)
+                else math.nan,
+            }
+        )
     return pd.DataFrame(rows)
 
 
-def residual_size_formulas(batch: int, seq: int, d_model: int, d_ff: int, heads: int | None) -> dict[str, int]:
+def residual_size_formulas(
+    batch: int, seq: int, d_model: int, d_ff: int, heads: int | None
+) -> dict[str, int]:
     """Element counts of the tensor sizes a block makes, by formula (B batch, T context, h heads)."""
-    formulas = {"B·T·d": batch * seq * d_model, "3·B·T·d": 3 * batch * seq * d_model, "B·T·d_ff": batch * seq * d_ff,
-                "B·T": batch * seq, "T²": seq * seq, "d": d_model}
+    formulas = {
+        "B·T·d": batch * seq * d_model,
+        "3·B·T·d": 3 * batch * seq * d_model,
+        "B·T·d_ff": batch * seq * d_ff,
+        "B·T": batch * seq,
+        "T²": seq * seq,
+        "d": d_model,
+    }
     if heads:
-        formulas |= {"B·h·T²": batch * heads * seq * seq, "B·h·T": batch * heads * seq,
-                     "T·d_head/2": seq * (d_model // heads) // 2}
+        formulas |= {
+            "B·h·T²": batch * heads * seq * seq,
+            "B·h·T": batch * heads * seq,
+            "T·d_head/2": seq * (d_model // heads) // 2,
+        }
     return formulas
 
 
@@ -321,8 +353,9 @@ def residual_size_class(row: pd.Series) -> str:
     """The formula(s) of a counted tensor's storage size ("B·T·d", "B·h·T²", ...); several joined by " = " when
     the dimensions make them equal, "other" when none fits."""
     heads = int(row["heads"]) if pd.notna(row.get("heads")) and row["heads"] else None
-    formulas = residual_size_formulas(int(row["batch_size"]), int(row["context_length"]), int(row["d_model"]),
-                                      int(row["d_ff"]), heads)
+    formulas = residual_size_formulas(
+        int(row["batch_size"]), int(row["context_length"]), int(row["d_model"]), int(row["d_ff"]), heads
+    )
     elements = row["storage_bytes"] // _ITEMSIZE.get(row["dtype"], 4)
     names = [name for name, count in formulas.items() if count == elements]
     return " = ".join(names) or "other"
@@ -331,31 +364,60 @@ def residual_size_class(row: pd.Series) -> str:
 def residuals_by_size(frame: pd.DataFrame) -> pd.DataFrame:
     """Counted MiB and tensor count per size class of the measured configurations (ok rows):
     columns module, attention, heads, mode, size_class, tensors, mib."""
-    counted = frame[(frame["source"] == "measured") & (frame["status"] == "ok") & frame["counted"].astype(bool)]
+    counted = frame[
+        (frame["source"] == "measured") & (frame["status"] == "ok") & frame["counted"].astype(bool)
+    ]
     if counted.empty:
         return pd.DataFrame(columns=["module", "attention", "heads", "mode", "size_class", "tensors", "mib"])
-    counted = counted.assign(size_class=counted.apply(residual_size_class, axis=1),
-                             heads=counted["heads"].fillna(0).astype(int))
+    counted = counted.assign(
+        size_class=counted.apply(residual_size_class, axis=1), heads=counted["heads"].fillna(0).astype(int)
+    )
     grouped = counted.groupby(["module", "attention", "heads", "mode", "size_class"], sort=False)
-    return grouped.agg(tensors=("counted_bytes", "size"), mib=("counted_bytes", lambda b: b.sum() / MIB)
-                       ).reset_index()
+    return grouped.agg(
+        tensors=("counted_bytes", "size"), mib=("counted_bytes", lambda b: b.sum() / MIB)
+    ).reset_index()
 
 
 def fusion_changes(by_size: pd.DataFrame) -> pd.DataFrame:
     """Per configuration (module, attention, heads) and size class: eager and compiled tensors and MiB, and the
     change compiled − eager; only configurations measured in both modes."""
-    wide = by_size.pivot_table(index=["module", "attention", "heads", "size_class"], columns="mode",
-                               values=["tensors", "mib"], aggfunc="sum", fill_value=0)
+    wide = by_size.pivot_table(
+        index=["module", "attention", "heads", "size_class"],
+        columns="mode",
+        values=["tensors", "mib"],
+        aggfunc="sum",
+        fill_value=0,
+    )
     if not {"eager", "compiled"} <= set(wide.columns.get_level_values(1)):
-        return pd.DataFrame(columns=["module", "attention", "heads", "size_class", "eager_tensors",
-                                     "compiled_tensors", "eager_mib", "compiled_mib", "change_mib"])
+        return pd.DataFrame(
+            columns=[
+                "module",
+                "attention",
+                "heads",
+                "size_class",
+                "eager_tensors",
+                "compiled_tensors",
+                "eager_mib",
+                "compiled_mib",
+                "change_mib",
+            ]
+        )
     both = by_size.groupby(["module", "attention", "heads"])["mode"].nunique() == 2
     wide.columns = [f"{mode}_{value}" for value, mode in wide.columns]
     out = wide.reset_index()
     out = out[out.set_index(["module", "attention", "heads"]).index.map(both).fillna(False).astype(bool)]
     out = out.assign(change_mib=out["compiled_mib"] - out["eager_mib"])
-    columns = ["module", "attention", "heads", "size_class", "eager_tensors", "compiled_tensors", "eager_mib",
-               "compiled_mib", "change_mib"]
+    columns = [
+        "module",
+        "attention",
+        "heads",
+        "size_class",
+        "eager_tensors",
+        "compiled_tensors",
+        "eager_mib",
+        "compiled_mib",
+        "change_mib",
+    ]
     return out[columns].astype({"eager_tensors": int, "compiled_tensors": int}).reset_index(drop=True)
 
 
@@ -434,7 +496,11 @@ def fsdp_goals(cells: pd.DataFrame) -> pd.DataFrame:
     5 %. Per goal the measured value, the bound and `passed` (None where a value is missing)."""
     by = cells.set_index("variant")
     get = lambda variant, column: by[column].get(variant, math.nan) if column in by else math.nan
-    ours_step, ours_peak, wait = get("ours", "step_ms"), get("ours", "peak_mib"), get("ours", "gather_wait_ms")
+    ours_step, ours_peak, wait = (
+        get("ours", "step_ms"),
+        get("ours", "peak_mib"),
+        get("ours", "gather_wait_ms"),
+    )
     goals = [  # (goal, measured, bound, unit, whether the bound itself fails)
         ("step time ≤ FSDP2's", ours_step, get("fsdp2", "step_ms"), "ms", False),
         ("peak memory ≤ FSDP2's + 5 %", ours_peak, 1.05 * get("fsdp2", "peak_mib"), "MiB", False),

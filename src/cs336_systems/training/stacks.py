@@ -45,8 +45,14 @@ from cs336_systems.parallel.fsdp import FullyShardedDataParallel
 from cs336_systems.training.workload import TrainingStep
 
 # The leaderboard's model (handout §9): d_model, d_ff, layers, heads, vocabulary, context.
-LEADERBOARD = {"d_model": 4096, "d_ff": 11_008, "num_layers": 34, "num_heads": 32, "vocab_size": 151_936,
-               "context_length": 32_768}
+LEADERBOARD = {
+    "d_model": 4096,
+    "d_ff": 11_008,
+    "num_layers": 34,
+    "num_heads": 32,
+    "vocab_size": 151_936,
+    "context_length": 32_768,
+}
 HEADS = ("eager", "chunked", "fused")
 # The run's dtypes by name (weights, gradients and AdamW state; a *_fp32_master stack's compute).
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -61,29 +67,98 @@ class Stack:
     head: str  # eager: logits then cross_entropy; chunked: PyTorch, per token chunk; fused: our Triton kernel
     checkpoint: str  # ModelConfig.checkpoint
     compile_blocks: bool  # torch.compile each (checkpointed) block
-    optimizer: str  # torch (torch.optim.AdamW's default), torch_fused (its fused=True, on CUDA) or ours (FusedAdamW)
+    optimizer: (
+        str  # torch (torch.optim.AdamW's default), torch_fused (its fused=True, on CUDA) or ours (FusedAdamW)
+    )
     sharding: str = "none"  # none, ours (our FSDP) or fsdp2 (PyTorch's fully_shard): over the process group
-    fp32_master: bool = False  # float32 weights, gradients and AdamW state; compute under autocast to the run's dtype
+    fp32_master: bool = (
+        False  # float32 weights, gradients and AdamW state; compute under autocast to the run's dtype
+    )
 
 
 STACKS = {
-    "plain": Stack("plain TransformerLM (the spec's naive baseline)", "naive", "eager", "none", compile_blocks=False, optimizer="torch"),
-    "native": Stack("PyTorch-native stack", "sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused"),
+    "plain": Stack(
+        "plain TransformerLM (the spec's naive baseline)",
+        "naive",
+        "eager",
+        "none",
+        compile_blocks=False,
+        optimizer="torch",
+    ),
+    "native": Stack(
+        "PyTorch-native stack", "sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused"
+    ),
     "ours": Stack("ours", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours"),
-    "ours_sdpa": Stack("ours with SDPA's attention", "sdpa", "fused", "selective", compile_blocks=True, optimizer="ours"),
-    "ours_chunked_head": Stack("ours with PyTorch's chunked head", "flash_triton", "chunked", "selective", compile_blocks=True, optimizer="ours"),
-    "ours_torch_adamw": Stack("ours with torch.optim.AdamW(fused=True)", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="torch_fused"),
+    "ours_sdpa": Stack(
+        "ours with SDPA's attention", "sdpa", "fused", "selective", compile_blocks=True, optimizer="ours"
+    ),
+    "ours_chunked_head": Stack(
+        "ours with PyTorch's chunked head",
+        "flash_triton",
+        "chunked",
+        "selective",
+        compile_blocks=True,
+        optimizer="ours",
+    ),
+    "ours_torch_adamw": Stack(
+        "ours with torch.optim.AdamW(fused=True)",
+        "flash_triton",
+        "fused",
+        "selective",
+        compile_blocks=True,
+        optimizer="torch_fused",
+    ),
     # no recomputation at all: the bound checkpointing pays against, where the activations fit
-    "ours_no_checkpoint": Stack("ours without checkpointing", "flash_triton", "fused", "none", compile_blocks=True, optimizer="ours"),
+    "ours_no_checkpoint": Stack(
+        "ours without checkpointing", "flash_triton", "fused", "none", compile_blocks=True, optimizer="ours"
+    ),
     # what mixed precision's usual float32 master weights cost against the leaderboard's all-bf16 state
-    "ours_fp32_master": Stack("ours with float32 master weights", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours",
-                              fp32_master=True),
+    "ours_fp32_master": Stack(
+        "ours with float32 master weights",
+        "flash_triton",
+        "fused",
+        "selective",
+        compile_blocks=True,
+        optimizer="ours",
+        fp32_master=True,
+    ),
     # sharded over the process group's ranks (the leaderboard's two GPUs)
-    "plain_fsdp": Stack("plain TransformerLM under our FSDP (the spec's naive baseline)", "naive", "eager", "none", compile_blocks=False, optimizer="torch", sharding="ours"),
-    "native_fsdp": Stack("PyTorch-native stack under FSDP2 (`fully_shard` per block, head and root)", "sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused",
-                         sharding="fsdp2"),
-    "ours_fsdp": Stack("ours under our FSDP (compiled blocks, head and embedding as units)", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours", sharding="ours"),
-    "ours_fsdp_sdpa": Stack("ours under our FSDP with SDPA's attention", "sdpa", "fused", "selective", compile_blocks=True, optimizer="ours", sharding="ours"),
+    "plain_fsdp": Stack(
+        "plain TransformerLM under our FSDP (the spec's naive baseline)",
+        "naive",
+        "eager",
+        "none",
+        compile_blocks=False,
+        optimizer="torch",
+        sharding="ours",
+    ),
+    "native_fsdp": Stack(
+        "PyTorch-native stack under FSDP2 (`fully_shard` per block, head and root)",
+        "sdpa",
+        "chunked",
+        "selective",
+        compile_blocks=True,
+        optimizer="torch_fused",
+        sharding="fsdp2",
+    ),
+    "ours_fsdp": Stack(
+        "ours under our FSDP (compiled blocks, head and embedding as units)",
+        "flash_triton",
+        "fused",
+        "selective",
+        compile_blocks=True,
+        optimizer="ours",
+        sharding="ours",
+    ),
+    "ours_fsdp_sdpa": Stack(
+        "ours under our FSDP with SDPA's attention",
+        "sdpa",
+        "fused",
+        "selective",
+        compile_blocks=True,
+        optimizer="ours",
+        sharding="ours",
+    ),
 }
 SHARDINGS = ("none", "ours", "fsdp2")
 
@@ -113,12 +188,18 @@ class LossHead(nn.Module):
         if self.kind == "eager":
             return F.cross_entropy(F.linear(h, weight).float(), targets, reduction="sum")
         if self.kind == "fused":
-            if torch.is_autocast_enabled(h.device.type):  # autocast does not reach our kernel: cast as it would
+            if torch.is_autocast_enabled(
+                h.device.type
+            ):  # autocast does not reach our kernel: cast as it would
                 dtype = torch.get_autocast_dtype(h.device.type)
                 h, weight = h.to(dtype), weight.to(dtype)
             return fused_linear_cross_entropy(h, weight, targets, chunk=self.chunk, reduction="sum")
-        return sum(checkpoint(_chunk_loss, h[i : i + self.chunk], weight, targets[i : i + self.chunk],
-                              use_reentrant=False) for i in range(0, h.shape[0], self.chunk))
+        return sum(
+            checkpoint(
+                _chunk_loss, h[i : i + self.chunk], weight, targets[i : i + self.chunk], use_reentrant=False
+            )
+            for i in range(0, h.shape[0], self.chunk)
+        )
 
 
 def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -132,15 +213,18 @@ class LossModel(nn.Module):
     def __init__(self, lm: TransformerLM, head: str, chunk: int):
         super().__init__()
         self.head = LossHead(lm.lm_head, head, chunk)
-        lm.lm_head = nn.Identity()  # one owner per weight (sharding wrappers need that); lm.hidden() is all we call
+        lm.lm_head = (
+            nn.Identity()
+        )  # one owner per weight (sharding wrappers need that); lm.hidden() is all we call
         self.lm = lm
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.head(self.lm.hidden(tokens).flatten(0, 1), targets.flatten())
 
 
-def build_model(stack: Stack, dims: dict, device: torch.device, dtype: torch.dtype, compile_blocks: bool,
-                head_chunk: int) -> LossModel:
+def build_model(
+    stack: Stack, dims: dict, device: torch.device, dtype: torch.dtype, compile_blocks: bool, head_chunk: int
+) -> LossModel:
     """The model of `dims` (LEADERBOARD's keys) in `dtype` (float32 under `fp32_master`) on `device` (built there:
     an 8B model's fp32 initialisation would take minutes on the CPU), its blocks run as the stack says."""
     selective = stack.checkpoint in checkpointing.SELECTIVE and compile_blocks
@@ -158,7 +242,9 @@ def shard(model: LossModel, sharding: str) -> nn.Module:
     if sharding == "none":
         return model
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(f"sharding {sharding!r} needs a process group: run under cs336_systems.parallel.launch")
+        raise RuntimeError(
+            f"sharding {sharding!r} needs a process group: run under cs336_systems.parallel.launch"
+        )
     units = [*model.lm.blocks, model.head]
     if sharding == "ours":
         return FullyShardedDataParallel(model, units=units)
@@ -171,15 +257,27 @@ def shard(model: LossModel, sharding: str) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-def build_step(stack: Stack, dims: dict, batch_size: int, device: torch.device, dtype: torch.dtype,
-               compile_blocks: bool = True, head_chunk: int = 8192, seed: int = 0) -> TrainingStep:
+def build_step(
+    stack: Stack,
+    dims: dict,
+    batch_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    compile_blocks: bool = True,
+    head_chunk: int = 8192,
+    seed: int = 0,
+) -> TrainingStep:
     """The spec's train_step for one stack, as the one TrainingStep: the model built and sharded as the stack
     says, its AdamW, and a fixed batch of random tokens (`batch_size` sequences on this rank; under a sharded stack
     each rank draws its own, from seed + rank); the loss is the model's own (summed cross-entropy)."""
     torch.manual_seed(seed)
-    model = shard(build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks, head_chunk),
-                  stack.sharding)
-    if stack.optimizer == "ours":  # imported here: it imports triton, which must not come before the CLI's mode
+    model = shard(
+        build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks, head_chunk),
+        stack.sharding,
+    )
+    if (
+        stack.optimizer == "ours"
+    ):  # imported here: it imports triton, which must not come before the CLI's mode
         from cs336_systems.kernels.fused_adamw import FusedAdamW
 
         optimizer = FusedAdamW(model.parameters(), lr=1e-4)
@@ -239,4 +337,3 @@ def component_times(train: TrainingStep, device: torch.device) -> dict[str, floa
         if row.get("record") == "kernel":
             times[component_of(row["name"])] += row["time_ms_per_step"]
     return times
-

@@ -53,7 +53,9 @@ class TrainingStep:
         batch: tuple[torch.Tensor, torch.Tensor],
         autocast_dtype: torch.dtype | None = None,
         sync_gradients: Callable[[], None] | None = None,
-        loss_fn: Callable[[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor] = next_token_loss,
+        loss_fn: Callable[
+            [torch.nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor
+        ] = next_token_loss,
     ) -> None:
         self.model, self.optimizer, self.batch = model, optimizer, batch
         self.autocast_dtype = autocast_dtype

@@ -46,17 +46,27 @@ def render(ctx: Context) -> str:
         "",
     ]
     if not on_cuda:
-        out += ["Memory is measured on CUDA only; this run shows the bytes saved for backward in one forward instead.", ""]
+        out += [
+            "Memory is measured on CUDA only; this run shows the bytes saved for backward in one forward instead.",
+            "",
+        ]
     cells, blocks = frame[frame["record"] == "cell"], frame[frame["record"] == "block"]
     ran = cells[cells["status"] == "ok"]
     if ran[ran["policy"].str.startswith("selective")]["saved_bytes"].isna().any():
-        out += ["Saved for backward is — for a selective policy where this torch (before 2.12) does not show the "
-                "policy the outputs it caches.", ""]
+        out += [
+            "Saved for backward is — for a selective policy where this torch (before 2.12) does not show the "
+            "policy the outputs it caches.",
+            "",
+        ]
     for autocast in [a for a in ("none", "bf16", "fp16") if a in set(cells["autocast"])]:
         block = blocks[blocks["autocast"] == autocast].iloc[0]
         table = checkpointing_cells(cells[cells["autocast"] == autocast], block)
         out += [f"### {PRECISION[autocast]}", "", policy_section(ctx, table, block, autocast, on_cuda), ""]
-    out += ["### (a) The memory-optimal strategy: nested checkpointing", "", depth_section(ctx, frame, blocks)]
+    out += [
+        "### (a) The memory-optimal strategy: nested checkpointing",
+        "",
+        depth_section(ctx, frame, blocks),
+    ]
     return "\n".join(out)
 
 
@@ -116,7 +126,9 @@ def best_k_sentences(table: pd.DataFrame, optimum: dict) -> list[str]:
     def beside(side: dict | None, word: str) -> str:
         if side is None:
             return f"there is no {word} K"
-        return f"every:{side['k']} " + (f"peaks at {side['value']:,.0f} MiB" if side["value"] else f"is {side['status']}")
+        return f"every:{side['k']} " + (
+            f"peaks at {side['value']:,.0f} MiB" if side["value"] else f"is {side['status']}"
+        )
 
     row = table[table["policy"] == f"every:{best['k']}"].iloc[0]
     predicted_total = row["base_mib"] + optimum["predicted_mib"]
@@ -124,10 +136,13 @@ def best_k_sentences(table: pd.DataFrame, optimum: dict) -> list[str]:
     return [
         f"(b) The memory-optimal one-level K measured is every:{best['k']} at {best['value']:,.0f} MiB; "
         f"{beside(best['smaller'], 'smaller')}, {beside(best['larger'], 'larger')}.",
-        f"The model's K* = {optimum['k']} " + ("is" if optimum["k"] == best["k"] else "is not") + " the measured "
+        f"The model's K* = {optimum['k']} "
+        + ("is" if optimum["k"] == best["k"] else "is not")
+        + " the measured "
         f"best; its predicted peak with the measured {row['base_mib']:,.0f} MiB of weights and AdamW state is "
         f"{predicted_total:,.0f} MiB, and the measured best is {gap:+.1%} from it: "
-        + ("within" if abs(gap) <= 0.05 else "not within") + " the 5 % goal.",
+        + ("within" if abs(gap) <= 0.05 else "not within")
+        + " the 5 % goal.",
     ]
 
 
@@ -141,15 +156,19 @@ def selective_sentences(table: pd.DataFrame) -> list[str]:
             sentences.append(f"{policy} and every:1 did not both run, so they are not compared.")
             continue
         met = time < 1 and peak <= 1.5
-        sentences.append(f"{policy} takes {time:.3f}× every:1's step time at {peak:.2f}× its peak: the goal "
-                         f"(faster, peak within 1.5×) is {'met' if met else 'not met'}.")
+        sentences.append(
+            f"{policy} takes {time:.3f}× every:1's step time at {peak:.2f}× its peak: the goal "
+            f"(faster, peak within 1.5×) is {'met' if met else 'not met'}."
+        )
     return sentences
 
 
 def policy_figure(ctx: Context, table: pd.DataFrame, n: int, autocast: str, on_cuda: bool) -> str:
     import matplotlib.pyplot as plt
 
-    column, label = ("forward_backward_peak_mib", "peak MiB") if on_cuda else ("saved_mib", "saved for backward MiB")
+    column, label = (
+        ("forward_backward_peak_mib", "peak MiB") if on_cuda else ("saved_mib", "saved for backward MiB")
+    )
     ok = table[table["status"] == "ok"]
     every, others = ok[ok["k"].notna()], ok[ok["k"].isna()]
     baseline = time_baseline(table)
@@ -157,19 +176,28 @@ def policy_figure(ctx: Context, table: pd.DataFrame, n: int, autocast: str, on_c
     memory.plot(every["k"], every[column], "o-", color="C0", label="every:K measured")
     if on_cuda:
         predicted = table[table["k"].notna()]
-        memory.plot(predicted["k"], predicted["predicted_mib"] + ok["base_mib"].median(), "--", color="C1",
-                    label="every:K model")
+        memory.plot(
+            predicted["k"],
+            predicted["predicted_mib"] + ok["base_mib"].median(),
+            "--",
+            color="C1",
+            label="every:K model",
+        )
     for i, (_, row) in enumerate(others.iterrows()):
         memory.plot([n + 1 + i], [row[column]], "s", color=f"C{2 + i}", label=row["policy"])
         if baseline:
-            time.plot([n + 1 + i], [row["median_ms"] / baseline[1] - 1], "s", color=f"C{2 + i}", label=row["policy"])
+            time.plot(
+                [n + 1 + i], [row["median_ms"] / baseline[1] - 1], "s", color=f"C{2 + i}", label=row["policy"]
+            )
     if baseline:
         time.plot(every["k"], every["median_ms"] / baseline[1] - 1, "o-", color="C0", label="every:K")
         time.set(xlabel="K (others to the right)", ylabel=f"step time overhead vs {baseline[0]}")
         time.legend()
     memory.set(xlabel="K (others to the right)", ylabel=label, title=PRECISION[autocast])
     memory.legend()
-    return ctx.figure(fig, f"checkpointing_{autocast}", f"{label} and time overhead against K, {PRECISION[autocast]}")
+    return ctx.figure(
+        fig, f"checkpointing_{autocast}", f"{label} and time overhead against K, {PRECISION[autocast]}"
+    )
 
 
 def depth_section(ctx: Context, frame: pd.DataFrame, blocks: pd.DataFrame) -> str:
@@ -189,11 +217,21 @@ def depth_section(ctx: Context, frame: pd.DataFrame, blocks: pd.DataFrame) -> st
         "",
         f"The model with this size's measured R and c ({PRECISION[block['autocast']]}), without gradients:",
         "",
-        text_md(model.assign(**{c: model[c].map(num) for c in ("none_mib", "every:1_mib", "nested_mib")}).rename(
-            columns={"num_layers": "N", "none_mib": "none MiB", "every:1_mib": "every:1 MiB",
-                     "nested_mib": "nested MiB", "nested_checkpoints": "nested checkpoints held",
-                     "every_1_forwards": "every:1 block forwards", "nested_forwards": "nested block forwards"}
-        ).astype(str)),
+        text_md(
+            model.assign(**{c: model[c].map(num) for c in ("none_mib", "every:1_mib", "nested_mib")})
+            .rename(
+                columns={
+                    "num_layers": "N",
+                    "none_mib": "none MiB",
+                    "every:1_mib": "every:1 MiB",
+                    "nested_mib": "nested MiB",
+                    "nested_checkpoints": "nested checkpoints held",
+                    "every_1_forwards": "every:1 block forwards",
+                    "nested_forwards": "nested block forwards",
+                }
+            )
+            .astype(str)
+        ),
         "",
         depth_study(ctx),
     ]
@@ -214,22 +252,42 @@ def depth_study(ctx: Context) -> str:
             selective.append(f"- N = {int(n)}: " + " ".join(selective_sentences(table)))
         for _, row in table.iterrows():
             measured = row["activation_peak_mib"] if column != "saved_mib" else row["saved_mib"]
-            rows.append({"N": int(n), "policy": row["policy"], "status": row["status"],
-                         "measured MiB": measured if row["status"] == "ok" else None,
-                         "predicted MiB": row["predicted_mib"], "step ms": row["median_ms"]})
+            rows.append(
+                {
+                    "N": int(n),
+                    "policy": row["policy"],
+                    "status": row["status"],
+                    "measured MiB": measured if row["status"] == "ok" else None,
+                    "predicted MiB": row["predicted_mib"],
+                    "step ms": row["median_ms"],
+                }
+            )
             if column != "saved_mib" and row["status"] == "ok" and pd.notna(row["predicted_mib"]):
                 checks.append(measured / row["predicted_mib"])
     shown = pd.DataFrame(rows)
     shown["predicted MiB"] = shown["predicted MiB"].map(or_dash("{:,.1f}"))
-    what = ("activations = peak − weights and AdamW state" if column != "saved_mib"
-            else "bytes saved for backward in one forward (memory is measured on CUDA only)")
-    text = [provenance_line(metas),
-            f"Measured on {p['size']} at depths {', '.join(str(n) for n in sorted(cells['num_layers'].unique()))} "
-            f"({what}; predicted = the residual model with gradients, from each depth's measured block):", "",
-            md(shown, floatfmt=",.1f")]
+    what = (
+        "activations = peak − weights and AdamW state"
+        if column != "saved_mib"
+        else "bytes saved for backward in one forward (memory is measured on CUDA only)"
+    )
+    text = [
+        provenance_line(metas),
+        f"Measured on {p['size']} at depths {', '.join(str(n) for n in sorted(cells['num_layers'].unique()))} "
+        f"({what}; predicted = the residual model with gradients, from each depth's measured block):",
+        "",
+        md(shown, floatfmt=",.1f"),
+    ]
     if checks:
-        text += ["", f"Measured over predicted: {min(checks):.2f}–{max(checks):.2f} over the policies and depths."]
+        text += [
+            "",
+            f"Measured over predicted: {min(checks):.2f}–{max(checks):.2f} over the policies and depths.",
+        ]
     if selective and any("selective" in line for line in selective):
-        text += ["", "The selective policies against every:1 (peak = the whole step's before the optimizer):", "",
-                 *selective]
+        text += [
+            "",
+            "The selective policies against every:1 (peak = the whole step's before the optimizer):",
+            "",
+            *selective,
+        ]
     return "\n".join(text)

@@ -31,13 +31,22 @@ LABEL = {
     "ddp": "our bucketed DDP",
     "single": "one rank alone (floor)",
 }
-KIND_COLOR = {"compute": "tab:blue", "memcpy": "tab:cyan", "all_gather": "tab:orange",
-              "reduce_scatter": "tab:green", "all_reduce": "tab:purple", "communication": "tab:gray"}
+KIND_COLOR = {
+    "compute": "tab:blue",
+    "memcpy": "tab:cyan",
+    "all_gather": "tab:orange",
+    "reduce_scatter": "tab:green",
+    "all_reduce": "tab:purple",
+    "communication": "tab:gray",
+}
 EXPOSED_COLOR = "tab:red"
 VARIANT_COLOR = {"ours": "0.2", "fsdp2": "0.65"}
-BYTES_COLUMNS = {"bytes_all_gathered": "all-gathered (MiB)", "bytes_reduce_scattered": "reduce-scattered (MiB)",
-                 "bytes_all_reduced": "all-reduced (MiB)",
-                 "bytes_activations_gathered": "activations and output gradients all-gathered (MiB)"}
+BYTES_COLUMNS = {
+    "bytes_all_gathered": "all-gathered (MiB)",
+    "bytes_reduce_scattered": "reduce-scattered (MiB)",
+    "bytes_all_reduced": "all-reduced (MiB)",
+    "bytes_activations_gathered": "activations and output gradients all-gathered (MiB)",
+}
 
 
 def render(ctx: Context) -> str:
@@ -61,8 +70,11 @@ def cell_table(frame: pd.DataFrame) -> pd.DataFrame:
     cells = ran.groupby(keys, sort=False).agg(
         status=("status", "first"),
         ranks=("status", "size"),
-        **{c: (c, "first") for c in ("step_ms", "step_min_ms", "step_max_ms", "steps", "bytes_source")
-           if c in ran},
+        **{
+            c: (c, "first")
+            for c in ("step_ms", "step_min_ms", "step_max_ms", "steps", "bytes_source")
+            if c in ran
+        },
         **{c: (c, "max") for c in ("peak_mib", "gather_wait_ms", "sync_wait_ms") if c in ran},
         **{c: (c, "first") for c in BYTES_COLUMNS if c in ran},
     )
@@ -77,7 +89,10 @@ def setup(frame: pd.DataFrame) -> str:
         return ""
     batch = ", ".join(
         f"{b:.0f} at world size {w:.0f}"
-        for w, b in frame.dropna(subset=["batch_size_per_rank"]).groupby("world_size")["batch_size_per_rank"].first().items()
+        for w, b in frame.dropna(subset=["batch_size_per_rank"])
+        .groupby("world_size")["batch_size_per_rank"]
+        .first()
+        .items()
     )
     bf16 = first["compute_dtype"] == "bf16"
     precision = (
@@ -170,7 +185,11 @@ def goals_text(cells: pd.DataFrame, world_size: int) -> str:
     verdict = (
         f"Our FSDP meets {int(checked['passed'].sum())} of the {len(checked)} goals measurable at world size "
         f"{world_size}"
-        + (f" (not measurable here: {', '.join(goals[goals['passed'].isna()]['goal'])})" if len(checked) < len(goals) else "")
+        + (
+            f" (not measurable here: {', '.join(goals[goals['passed'].isna()]['goal'])})"
+            if len(checked) < len(goals)
+            else ""
+        )
         + "."
     )
     return "\n".join([text_md(table), "", verdict])
@@ -190,12 +209,16 @@ def exact_text(cells: pd.DataFrame) -> str:
     text = f"**Exact mode** (bit-equal to one process's training): {exact['step_ms']:.1f} ms per step"
     if "ours" in by.index:
         usual = by.loc["ours"]
-        text += (f", {exact['step_ms'] / usual['step_ms']:.2f}× our usual mode's {usual['step_ms']:.1f} ms; it moves "
-                 f"{moved(exact) / MIB:,.1f} MiB per rank per step against {moved(usual) / MIB:,.1f} MiB")
+        text += (
+            f", {exact['step_ms'] / usual['step_ms']:.2f}× our usual mode's {usual['step_ms']:.1f} ms; it moves "
+            f"{moved(exact) / MIB:,.1f} MiB per rank per step against {moved(usual) / MIB:,.1f} MiB"
+        )
     activations = exact.get("bytes_activations_gathered", math.nan)
     if not pd.isna(activations):
-        text += (f" ({activations / MIB:,.1f} MiB of them activations and output gradients, "
-                 f"{exact['bytes_reduce_scattered'] / MIB:,.1f} MiB reduce-scattered)")
+        text += (
+            f" ({activations / MIB:,.1f} MiB of them activations and output gradients, "
+            f"{exact['bytes_reduce_scattered'] / MIB:,.1f} MiB reduce-scattered)"
+        )
     return text + "."
 
 
@@ -204,7 +227,9 @@ def overhead_text(cells: pd.DataFrame) -> str:
     if "single" not in ran or not ({"ours", "fsdp2"} & set(ran.index)):
         return ""
     parts = [
-        f"{LABEL[v]} {ran[v]:.1f} ms ({ran[v] / ran['single'] - 1:+.1%})" for v in ("ours", "fsdp2") if v in ran
+        f"{LABEL[v]} {ran[v]:.1f} ms ({ran[v] / ran['single'] - 1:+.1%})"
+        for v in ("ours", "fsdp2")
+        if v in ran
     ]
     return (
         f"**Overhead on one rank.** Nothing is communicated, so what a wrapper adds over the unwrapped model's "
@@ -228,8 +253,15 @@ def accounting(cells: pd.DataFrame, metas: list[dict]) -> str:
         expected = values(
             fsdp_memory(units, replicated, world_size, params["compute_dtype"], params["prefetch_distance"])
         )
-        out += [f"World size {world_size}, per rank (activations ignored: the same batch per rank in every variant):", ""]
-        out += [text_md(expected_table(expected)), "", measured_text(cells[cells["world_size"] == world_size], expected)]
+        out += [
+            f"World size {world_size}, per rank (activations ignored: the same batch per rank in every variant):",
+            "",
+        ]
+        out += [
+            text_md(expected_table(expected)),
+            "",
+            measured_text(cells[cells["world_size"] == world_size], expected),
+        ]
     return "\n".join(out)
 
 
@@ -247,9 +279,15 @@ def expected_table(e: dict[str, float]) -> pd.DataFrame:
 
 
 def measured_text(cells: pd.DataFrame, expected: dict[str, float]) -> str:
-    peaks = cells[cells["status"] == "ok"].set_index("variant").get("peak_mib", pd.Series(dtype=float)).dropna()
+    peaks = (
+        cells[cells["status"] == "ok"].set_index("variant").get("peak_mib", pd.Series(dtype=float)).dropna()
+    )
     if "ddp" not in peaks:
-        why = "no allocator statistics (CPU)" if cells.get("peak_mib", pd.Series(dtype=float)).isna().all() else "DDP did not run"
+        why = (
+            "no allocator statistics (CPU)"
+            if cells.get("peak_mib", pd.Series(dtype=float)).isna().all()
+            else "DDP did not run"
+        )
         return f"Measured saving: not available here ({why})."
     target = expected["saving_vs_our_ddp_bytes"]
     unit, scale = binary_unit(expected["ddp_state_bytes"])
@@ -294,10 +332,16 @@ def timeline(ctx: Context, cells: pd.DataFrame) -> str:
     return "\n\n".join(part for part in out if part)
 
 
-def exposure_sentence(variant: str, layers: pd.DataFrame, s: dict, cells: pd.DataFrame, world_size: int) -> str:
+def exposure_sentence(
+    variant: str, layers: pd.DataFrame, s: dict, cells: pd.DataFrame, world_size: int
+) -> str:
     text = f"**{capitalized(LABEL[variant])}.** "
     if s["layers"]:
-        verdict = "finish in time for every layer's forward" if s["layers_in_time"] == s["layers"] else "do not always finish in time"
+        verdict = (
+            "finish in time for every layer's forward"
+            if s["layers_in_time"] == s["layers"]
+            else "do not always finish in time"
+        )
         text += (
             f"The all-gathers {verdict}: in {s['layers_in_time']} of {s['layers']} layers less than "
             f"{IN_TIME_MS} ms of all-gather ran with no compute kernel running in the layer's window; the worst is "
@@ -323,8 +367,12 @@ def plot(ok: pd.DataFrame, shown: list[str], exposure: dict) -> plt.Figure:
         layers, _ = exposure[variant]
         end = layers["window_end_ms"].max() * 1.02 if len(layers) else rows["end_ms"].max()
         rows = rows[rows["start_ms"] <= end]
-        streams = list(rows.groupby("stream")["kind"].agg(lambda k: k.isin(["compute", "memcpy"]).mean())
-                       .sort_values(ascending=False).index)
+        streams = list(
+            rows.groupby("stream")["kind"]
+            .agg(lambda k: k.isin(["compute", "memcpy"]).mean())
+            .sort_values(ascending=False)
+            .index
+        )
         for position, stream in enumerate(streams):
             on = rows[rows["stream"] == stream]
             for kind, color in KIND_COLOR.items():
@@ -335,25 +383,36 @@ def plot(ok: pd.DataFrame, shown: list[str], exposure: dict) -> plt.Figure:
         ax.broken_barh(exposed, (-0.4, 0.8), color=EXPOSED_COLOR, linewidth=0)
         for boundary in layers["window_end_ms"]:
             ax.axvline(boundary, color="k", lw=0.4, alpha=0.4)
-        ax.set_yticks([len(streams) - i for i in range(len(streams))] + [0],
-                      [f"stream {s:.0f}" for s in streams] + ["exposed"], fontsize=8)
+        ax.set_yticks(
+            [len(streams) - i for i in range(len(streams))] + [0],
+            [f"stream {s:.0f}" for s in streams] + ["exposed"],
+            fontsize=8,
+        )
         ax.set_xlim(0, end)
-        ax.set_title(f"{LABEL[variant]}: the forward (vertical lines: ends of layers)", fontsize=9, loc="left")
+        ax.set_title(
+            f"{LABEL[variant]}: the forward (vertical lines: ends of layers)", fontsize=9, loc="left"
+        )
         ax.set_xlabel("ms from the start of the step", fontsize=8)
     bars = axes[-1, 0]
     width = 0.8 / len(shown)
     for i, variant in enumerate(shown):
         layers, _ = exposure[variant]
         offset = (i - (len(shown) - 1) / 2) * width
-        bars.bar(layers["layer"] + offset, layers["exposed_ms"], width=width, label=LABEL[variant],
-                 color=VARIANT_COLOR[variant])
+        bars.bar(
+            layers["layer"] + offset,
+            layers["exposed_ms"],
+            width=width,
+            label=LABEL[variant],
+            color=VARIANT_COLOR[variant],
+        )
     bars.axhline(IN_TIME_MS, color="k", ls=":", lw=1, label=f"{IN_TIME_MS} ms (in time below)")
     ticks = sorted({layer for layers, _ in exposure.values() for layer in layers["layer"]})
     bars.set_xticks(ticks, [str(t) for t in ticks], fontsize=7)
-    bars.set(xlabel="layer", ylabel="exposed all-gather (ms)", title="exposed all-gather in each layer's window")
+    bars.set(
+        xlabel="layer", ylabel="exposed all-gather (ms)", title="exposed all-gather in each layer's window"
+    )
     bars.legend(fontsize=8)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in [*KIND_COLOR.values(), EXPOSED_COLOR]]
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.legend(handles, [*KIND_COLOR, "exposed all-gather"], loc="upper center", ncol=7, fontsize=8)
     return fig
-

@@ -14,10 +14,16 @@ from cs336_systems.report.formatting import commit_text, not_measured, not_run, 
 from cs336_systems.training.stacks import STACKS
 
 LABEL = {name: stack.label for name, stack in STACKS.items()}  # the one stack registry
-HEAD = {"eager": "logits, then cross_entropy", "chunked": "chunks, logits recomputed (PyTorch)",
-        "fused": "fused Triton head + loss (ours)"}
-OPTIMIZER = {"torch": "torch.optim.AdamW", "torch_fused": "torch.optim.AdamW(fused=True)",
-             "ours": "our Triton AdamW"}
+HEAD = {
+    "eager": "logits, then cross_entropy",
+    "chunked": "chunks, logits recomputed (PyTorch)",
+    "fused": "fused Triton head + loss (ours)",
+}
+OPTIMIZER = {
+    "torch": "torch.optim.AdamW",
+    "torch_fused": "torch.optim.AdamW(fused=True)",
+    "ours": "our Triton AdamW",
+}
 # One-GPU goals of the issue: our step extrapolated to the leaderboard's depth, and per layer against the native
 # stack measured in the same run.
 GOAL_STEP_S = 4.2
@@ -39,8 +45,11 @@ def render(ctx: Context) -> str:
     cells, fits = frame[frame["kind"] == "cell"], frame[frame["kind"] == "fit"].set_index("stack")
     stacks = list(dict.fromkeys(cells["stack"]))
     on_cuda = bool(cells["peak_mib"].notna().any())
-    timing = (f"`triton.testing.do_bench` median over {p.get('rep_ms')} ms after {p.get('warmup_ms')} ms of warm-up"
-              if on_cuda else f"median of {p.get('steps')} timed steps")
+    timing = (
+        f"`triton.testing.do_bench` median over {p.get('rep_ms')} ms after {p.get('warmup_ms')} ms of warm-up"
+        if on_cuda
+        else f"median of {p.get('steps')} timed steps"
+    )
     out = [
         provenance_line(metas),
         f"Model: d_model {p['d_model']}, d_ff {p['d_ff']}, {p['num_heads']} heads, vocabulary {p['vocab_size']:,}, "
@@ -55,8 +64,12 @@ def render(ctx: Context) -> str:
         "",
         text_md(cell_table(cells, stacks)),
         "",
-        *(part for text in (updates_lost(cells), optimizer_worth(cells), memory_text(cells, stacks)) if text
-          for part in (text, "")),
+        *(
+            part
+            for text in (updates_lost(cells), optimizer_worth(cells), memory_text(cells, stacks))
+            if text
+            for part in (text, "")
+        ),
     ]
     if len(fits):
         out += [
@@ -93,63 +106,88 @@ def cold_text(ctx: Context, fits: pd.DataFrame, fit_commits: set[str] = frozense
     cells = frame[frame["kind"] == "cell"]
     p = metas[0]["params"]
     on_cuda = bool(cells["peak_mib"].notna().any())
-    timing = (f"`do_bench` with the spec's {p['warmup_ms'] / 1e3:g} s of warm-up and {p['rep_ms'] / 1e3:g} s of "
-              "repetition" if on_cuda else f"{p['steps']} timed steps")
+    timing = (
+        f"`do_bench` with the spec's {p['warmup_ms'] / 1e3:g} s of warm-up and {p['rep_ms'] / 1e3:g} s of "
+        "repetition"
+        if on_cuda
+        else f"{p['steps']} timed steps"
+    )
     rows, predicted = [], []
     for _, c in cells.iterrows():
         ok, stack, layers = c["status"] == "ok", c["stack"], int(c["num_layers"])
-        rows.append({
-            "stack": LABEL.get(stack, stack), "layers": str(layers),
-            "build (s)": f"{c['build_s']:.1f}" if ok else "—",
-            "first step: compile + autotune (s)": f"{c['first_step_s']:.1f}" if ok else "—",
-            "step (ms)": f"{c['step_ms']:,.1f}" if ok else c["status"],
-            "peak (GiB)": peak_gib(c),
-            "MFU": mfu(c),
-            "whole run (s)": f"{c['elapsed_s']:.0f}" if ok else "—",
-            f"≤ {COLD_LIMIT_S} s": ("pass" if c["elapsed_s"] <= COLD_LIMIT_S else "FAIL") if ok else "—",
-        })
+        rows.append(
+            {
+                "stack": LABEL.get(stack, stack),
+                "layers": str(layers),
+                "build (s)": f"{c['build_s']:.1f}" if ok else "—",
+                "first step: compile + autotune (s)": f"{c['first_step_s']:.1f}" if ok else "—",
+                "step (ms)": f"{c['step_ms']:,.1f}" if ok else c["status"],
+                "peak (GiB)": peak_gib(c),
+                "MFU": mfu(c),
+                "whole run (s)": f"{c['elapsed_s']:.0f}" if ok else "—",
+                f"≤ {COLD_LIMIT_S} s": ("pass" if c["elapsed_s"] <= COLD_LIMIT_S else "FAIL") if ok else "—",
+            }
+        )
         if ok and stack in fits.index:
             fit = fits.loc[stack]
             guess = fit["intercept_ms"] + fit["per_layer_ms"] * layers
-            predicted.append(f"{LABEL.get(stack, stack)} {c['step_ms']:,.1f} ms measured against {guess:,.1f} ms "
-                             f"predicted ({signed((c['step_ms'] / guess - 1) * 100)}%)")
+            predicted.append(
+                f"{LABEL.get(stack, stack)} {c['step_ms']:,.1f} ms measured against {guess:,.1f} ms "
+                f"predicted ({signed((c['step_ms'] / guess - 1) * 100)}%)"
+            )
     ran = cells[cells["status"] == "ok"]
     late = ran[ran["elapsed_s"] > COLD_LIMIT_S]
-    runs = lambda chosen: "; ".join(f"{LABEL.get(r['stack'], r['stack'])} took {r['elapsed_s']:.0f} s, "
-                                    f"{r['first_step_s']:.0f} s of them in the first step" for _, r in chosen.iterrows())
+    runs = lambda chosen: "; ".join(
+        f"{LABEL.get(r['stack'], r['stack'])} took {r['elapsed_s']:.0f} s, "
+        f"{r['first_step_s']:.0f} s of them in the first step"
+        for _, r in chosen.iterrows()
+    )
     if ran.empty:
         verdict = "No stack's run fitted in the GPU's memory at this depth."
     elif late.empty:
-        verdict = ("Every run that fitted ended within the 10 minutes; the longest: "
-                   f"{runs(ran.loc[[ran['elapsed_s'].idxmax()]])}.")
+        verdict = (
+            "Every run that fitted ended within the 10 minutes; the longest: "
+            f"{runs(ran.loc[[ran['elapsed_s'].idxmax()]])}."
+        )
     else:
         verdict = f"Over the 10 minutes: {runs(late)}."
     if predicted:
-        verdict += (" The per-layer fit above, against this measurement at a depth it did not see: "
-                    + "; ".join(predicted) + ".")
+        verdict += (
+            " The per-layer fit above, against this measurement at a depth it did not see: "
+            + "; ".join(predicted)
+            + "."
+        )
         cold_commits = commits(metas)
         if fit_commits and fit_commits != cold_commits:
-            verdict += (f" (The fit comes from the run at {', '.join(sorted(fit_commits))}, this measurement from "
-                        f"the run at {', '.join(sorted(cold_commits))}.)")
-    return "\n".join([
-        provenance_line(metas),
-        "",
-        "**The spec's run and its 10-minute rule.** One process per stack from empty PyTorch and Triton caches "
-        "(Inductor's and Triton's on-disk caches in a new folder: everything compiles and autotunes afresh), "
-        f"{p['batch_size']} sequence(s) of {p['context_length']:,} tokens at the depth in the table, timed as the "
-        f"spec times the leaderboard: {timing}. Build: the model and optimizer; first step: the step "
-        "before the timing, where torch.compile compiles and our kernels autotune; whole run: from the process's "
-        "start, imports included, to the end of the timing. The rule: from an empty cache the whole run ends within "
-        "10 minutes.",
-        "",
-        text_md(pd.DataFrame(rows)),
-        "",
-        verdict,
-    ])
+            verdict += (
+                f" (The fit comes from the run at {', '.join(sorted(fit_commits))}, this measurement from "
+                f"the run at {', '.join(sorted(cold_commits))}.)"
+            )
+    return "\n".join(
+        [
+            provenance_line(metas),
+            "",
+            "**The spec's run and its 10-minute rule.** One process per stack from empty PyTorch and Triton caches "
+            "(Inductor's and Triton's on-disk caches in a new folder: everything compiles and autotunes afresh), "
+            f"{p['batch_size']} sequence(s) of {p['context_length']:,} tokens at the depth in the table, timed as the "
+            f"spec times the leaderboard: {timing}. Build: the model and optimizer; first step: the step "
+            "before the timing, where torch.compile compiles and our kernels autotune; whole run: from the process's "
+            "start, imports included, to the end of the timing. The rule: from an empty cache the whole run ends within "
+            "10 minutes.",
+            "",
+            text_md(pd.DataFrame(rows)),
+            "",
+            verdict,
+        ]
+    )
 
 
-CHECKED = {"loss": "loss", "gradients": "gradients", "weights": "weights after one step",
-           "loss_curve": "loss, every step"}
+CHECKED = {
+    "loss": "loss",
+    "gradients": "gradients",
+    "weights": "weights after one step",
+    "loss_curve": "loss, every step",
+}
 
 
 def check_text(ctx: Context) -> str:
@@ -164,34 +202,49 @@ def check_text(ctx: Context) -> str:
     table = pd.DataFrame({"stack": [LABEL.get(s, s) for s in dict.fromkeys(rows["stack"])]})
     for quantity, heading in CHECKED.items():
         chosen = rows[rows["quantity"] == quantity].set_index("stack")
-        table[heading] = [f"{chosen.loc[s, 'error']:.2e} (≤ {chosen.loc[s, 'bound']:.2e}) "
-                          f"{'pass' if str(chosen.loc[s, 'passed']) == 'True' else 'FAIL'}"
-                          for s in dict.fromkeys(rows["stack"])]
+        table[heading] = [
+            f"{chosen.loc[s, 'error']:.2e} (≤ {chosen.loc[s, 'bound']:.2e}) "
+            f"{'pass' if str(chosen.loc[s, 'passed']) == 'True' else 'FAIL'}"
+            for s in dict.fromkeys(rows["stack"])
+        ]
     failed = rows[rows["passed"].astype(str) != "True"]
-    verdict = (f"Every stack passes all {len(CHECKED)} checks." if failed.empty else
-               "Failed: " + "; ".join(f"{LABEL.get(r['stack'], r['stack'])} ({CHECKED.get(r['quantity'], r['quantity'])})"
-                                      for _, r in failed.iterrows()) + ".")
+    verdict = (
+        f"Every stack passes all {len(CHECKED)} checks."
+        if failed.empty
+        else "Failed: "
+        + "; ".join(
+            f"{LABEL.get(r['stack'], r['stack'])} ({CHECKED.get(r['quantity'], r['quantity'])})"
+            for _, r in failed.iterrows()
+        )
+        + "."
+    )
     curve = rows[rows["quantity"] == "loss_curve"].set_index("stack")
-    drift = (f" Over the {p['steps']} steps the plain model's loss in {p['dtype']} drifts up to "
-             f"{curve['yardstick'].iloc[0] * 100:.3g}% from float32's" if p["dtype"] != "float32" else "")
+    drift = (
+        f" Over the {p['steps']} steps the plain model's loss in {p['dtype']} drifts up to "
+        f"{curve['yardstick'].iloc[0] * 100:.3g}% from float32's"
+        if p["dtype"] != "float32"
+        else ""
+    )
     if drift and "ours_fp32_master" in curve.index:
         drift += f"; with float32 master weights ours stays within {curve.loc['ours_fp32_master', 'error'] * 100:.3g}%"
     verdict += drift + ("." if drift else "")
-    return "\n".join([
-        provenance_line(metas),
-        "",
-        "**Does every stack train as the plain model does?** A small model (d_model "
-        f"{p['d_model']}, d_ff {p['d_ff']}, {p['num_heads']} heads, {p['num_layers']} layers, vocabulary "
-        f"{p['vocab_size']:,}, context {p['context_length']:,}, batch {p['batch_size']}), the same initial weights "
-        f"and batch for every stack, {p['steps']} AdamW steps in {p['dtype']}. Relative error ‖x − ref‖ / ‖ref‖ "
-        f"against the plain model in float32 (TF32 off); the bound is {p['tolerance']:g} × the plain model's own "
-        f"error in {p['dtype']} (what that dtype's rounding alone costs) + {p['floor']:g}. \"Loss, every step\" is the largest "
-        "relative error of the loss over all the steps.",
-        "",
-        text_md(table),
-        "",
-        verdict,
-    ])
+    return "\n".join(
+        [
+            provenance_line(metas),
+            "",
+            "**Does every stack train as the plain model does?** A small model (d_model "
+            f"{p['d_model']}, d_ff {p['d_ff']}, {p['num_heads']} heads, {p['num_layers']} layers, vocabulary "
+            f"{p['vocab_size']:,}, context {p['context_length']:,}, batch {p['batch_size']}), the same initial weights "
+            f"and batch for every stack, {p['steps']} AdamW steps in {p['dtype']}. Relative error ‖x − ref‖ / ‖ref‖ "
+            f"against the plain model in float32 (TF32 off); the bound is {p['tolerance']:g} × the plain model's own "
+            f'error in {p["dtype"]} (what that dtype\'s rounding alone costs) + {p["floor"]:g}. "Loss, every step" is the largest '
+            "relative error of the loss over all the steps.",
+            "",
+            text_md(table),
+            "",
+            verdict,
+        ]
+    )
 
 
 def components_text(ctx: Context) -> str:
@@ -209,8 +262,12 @@ def components_text(ctx: Context) -> str:
     shown = pd.DataFrame({"component": table.index})
     for stack in stacks:
         shown[f"{LABEL.get(stack, stack)} (ms)"] = [f"{ms:,.1f}" for ms in table[stack]]
-    total = pd.DataFrame({"component": ["all kernels"],
-                          **{f"{LABEL.get(s, s)} (ms)": [f"{table[s].sum():,.1f}"] for s in stacks}})
+    total = pd.DataFrame(
+        {
+            "component": ["all kernels"],
+            **{f"{LABEL.get(s, s)} (ms)": [f"{table[s].sum():,.1f}"] for s in stacks},
+        }
+    )
     text = [
         provenance_line(metas),
         "",
@@ -225,8 +282,11 @@ def components_text(ctx: Context) -> str:
     if {"ours", "native"} <= set(stacks):
         gap = table["ours"] - table["native"]
         biggest = gap.abs().idxmax()
-        text += ["", f"Ours against the native stack: {'; '.join(f'{c} {signed(g)} ms' for c, g in gap.items())} per "
-                     f"step at {layers} layers; the largest difference is in {biggest}."]
+        text += [
+            "",
+            f"Ours against the native stack: {'; '.join(f'{c} {signed(g)} ms' for c, g in gap.items())} per "
+            f"step at {layers} layers; the largest difference is in {biggest}.",
+        ]
     return "\n".join(text)
 
 
@@ -235,33 +295,44 @@ def stack_table(cells: pd.DataFrame, stacks: list[str], dtype: str) -> pd.DataFr
     # Tables written before the `weights` column hold the run's dtype throughout; before the `optimizer` column,
     # the optimizer was not recorded.
     weights = first["weights"].fillna(dtype) if "weights" in first else pd.Series(dtype, index=first.index)
-    optimizer = first["optimizer"] if "optimizer" in first else pd.Series(None, index=first.index, dtype=object)
-    return pd.DataFrame({
-        "stack": [LABEL.get(s, s) for s in stacks],
-        "attention": first["attention"].tolist(),
-        "LM head + loss": [HEAD.get(h, h) for h in first["head"]],
-        "checkpointing": first["checkpoint"].tolist(),
-        "blocks compiled": ["yes" if str(c) == "True" else "no" for c in first["compiled"]],
-        "optimizer": [OPTIMIZER.get(o, o) if pd.notna(o) else "—" for o in optimizer],
-        "weights, gradients, AdamW state": [w if w == dtype else f"{w}, compute in {dtype} (autocast)"
-                                            for w in weights],
-    })
+    optimizer = (
+        first["optimizer"] if "optimizer" in first else pd.Series(None, index=first.index, dtype=object)
+    )
+    return pd.DataFrame(
+        {
+            "stack": [LABEL.get(s, s) for s in stacks],
+            "attention": first["attention"].tolist(),
+            "LM head + loss": [HEAD.get(h, h) for h in first["head"]],
+            "checkpointing": first["checkpoint"].tolist(),
+            "blocks compiled": ["yes" if str(c) == "True" else "no" for c in first["compiled"]],
+            "optimizer": [OPTIMIZER.get(o, o) if pd.notna(o) else "—" for o in optimizer],
+            "weights, gradients, AdamW state": [
+                w if w == dtype else f"{w}, compute in {dtype} (autocast)" for w in weights
+            ],
+        }
+    )
 
 
 # Columns a one-GPU cell has only where the run recorded them: column -> (heading, format).
-MEASURED_ALONE = {"updated_fraction": ("weights a step changes", "{:.1%}"),
-                  "optimizer_ms": ("optimizer step (ms)", "{:,.1f}")}
+MEASURED_ALONE = {
+    "updated_fraction": ("weights a step changes", "{:.1%}"),
+    "optimizer_ms": ("optimizer step (ms)", "{:,.1f}"),
+}
 
 
 def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
     rows = []
-    extra = {column: shown for column, shown in MEASURED_ALONE.items()
-             if column in cells and cells[column].notna().any()}
+    extra = {
+        column: shown
+        for column, shown in MEASURED_ALONE.items()
+        if column in cells and cells[column].notna().any()
+    }
     for stack in stacks:
         for _, c in cells[cells["stack"] == stack].sort_values("num_layers").iterrows():
             ok = c["status"] == "ok"
             row = {
-                "stack": LABEL.get(stack, stack), "layers": str(int(c["num_layers"])),
+                "stack": LABEL.get(stack, stack),
+                "layers": str(int(c["num_layers"])),
                 "step (ms)": f"{c['step_ms']:,.1f}" if ok else c["status"],
                 "peak (GiB)": peak_gib(c),
                 "MFU": mfu(c),
@@ -288,33 +359,44 @@ def memory_text(cells: pd.DataFrame, stacks: list[str]) -> str | None:
     gib = lambda s, column: at.loc[s, column] / 1024
     state = lambda s: sum(gib(s, c) for c in STATE)
     rest = {s: gib(s, "peak_mib") - state(s) for s in shown}
-    table = pd.DataFrame({
-        "stack": [LABEL.get(s, s) for s in shown],
-        **{f"{name} (GiB)": [f"{gib(s, c):,.1f}" for s in shown] for c, name in STATE.items()},
-        "activations and temporaries (GiB)": [f"{rest[s]:,.1f}" for s in shown],
-        "peak (GiB)": [f"{gib(s, 'peak_mib'):,.1f}" for s in shown],
-    })
-    text = (f"**Peak memory at {deepest} layers by what holds it.** Weights, gradients (still held after a step) and "
-            "the optimizer's state, summed over their tensors after the timing; activations and temporaries = peak − "
-            f"those.\n\n{text_md(table)}")
+    table = pd.DataFrame(
+        {
+            "stack": [LABEL.get(s, s) for s in shown],
+            **{f"{name} (GiB)": [f"{gib(s, c):,.1f}" for s in shown] for c, name in STATE.items()},
+            "activations and temporaries (GiB)": [f"{rest[s]:,.1f}" for s in shown],
+            "peak (GiB)": [f"{gib(s, 'peak_mib'):,.1f}" for s in shown],
+        }
+    )
+    text = (
+        f"**Peak memory at {deepest} layers by what holds it.** Weights, gradients (still held after a step) and "
+        "the optimizer's state, summed over their tensors after the timing; activations and temporaries = peak − "
+        f"those.\n\n{text_md(table)}"
+    )
     if {"ours", "native"} <= set(rest):
-        text += (f"\n\nOurs against the PyTorch-native stack at {deepest} layers: activations and temporaries "
-                 f"{signed(rest['ours'] - rest['native'])} GiB, weights, gradients and AdamW state "
-                 f"{signed(state('ours') - state('native'))} GiB.")
+        text += (
+            f"\n\nOurs against the PyTorch-native stack at {deepest} layers: activations and temporaries "
+            f"{signed(rest['ours'] - rest['native'])} GiB, weights, gradients and AdamW state "
+            f"{signed(state('ours') - state('native'))} GiB."
+        )
     return text
 
 
 def fit_table(fits: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
     shown = [s for s in stacks if s in fits.index]
-    return pd.DataFrame({
-        "stack": [LABEL.get(s, s) for s in shown],
-        "per layer (ms)": [f"{fits.loc[s, 'per_layer_ms']:,.1f}" for s in shown],
-        "intercept (ms)": [f"{fits.loc[s, 'intercept_ms']:,.1f}" for s in shown],
-        f"step at {int(fits['num_layers'].iloc[0])} layers (s, extrapolated)":
-            [f"{fits.loc[s, 'step_ms'] / 1e3:.2f}" for s in shown],
-        "MFU (extrapolated)": [f"{fits.loc[s, 'mfu']:.1%}" if pd.notna(fits.loc[s, "mfu"]) else "—" for s in shown],
-        "fitted on": [fits.loc[s, "reason"].rsplit("depths ", 1)[-1] for s in shown],
-    })
+    return pd.DataFrame(
+        {
+            "stack": [LABEL.get(s, s) for s in shown],
+            "per layer (ms)": [f"{fits.loc[s, 'per_layer_ms']:,.1f}" for s in shown],
+            "intercept (ms)": [f"{fits.loc[s, 'intercept_ms']:,.1f}" for s in shown],
+            f"step at {int(fits['num_layers'].iloc[0])} layers (s, extrapolated)": [
+                f"{fits.loc[s, 'step_ms'] / 1e3:.2f}" for s in shown
+            ],
+            "MFU (extrapolated)": [
+                f"{fits.loc[s, 'mfu']:.1%}" if pd.notna(fits.loc[s, "mfu"]) else "—" for s in shown
+            ],
+            "fitted on": [fits.loc[s, "reason"].rsplit("depths ", 1)[-1] for s in shown],
+        }
+    )
 
 
 def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame) -> str:
@@ -326,25 +408,31 @@ def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame) -> str:
         ours = fits.loc["ours"]
         deepest = int(cells["num_layers"].max())
         peak = cells[cells["num_layers"] == deepest].set_index("stack")["peak_mib"] / 1024
-        for variant, piece in (("ours_sdpa", "Our FlashAttention, against SDPA's"),
-                               ("ours_chunked_head", "Our fused head + loss, against PyTorch's chunked one"),
-                               ("ours_torch_adamw", "Our AdamW kernel, against torch.optim.AdamW(fused=True)"),
-                               ("ours_no_checkpoint", "Selective checkpointing, against none"),
-                               ("ours_fp32_master", "bf16 weights, gradients and AdamW state, against float32 "
-                                                    "master weights")):
+        for variant, piece in (
+            ("ours_sdpa", "Our FlashAttention, against SDPA's"),
+            ("ours_chunked_head", "Our fused head + loss, against PyTorch's chunked one"),
+            ("ours_torch_adamw", "Our AdamW kernel, against torch.optim.AdamW(fused=True)"),
+            ("ours_no_checkpoint", "Selective checkpointing, against none"),
+            ("ours_fp32_master", "bf16 weights, gradients and AdamW state, against float32 master weights"),
+        ):
             if variant not in fits.index:
                 continue
             other = fits.loc[variant]
-            text = (f"{piece}: {signed(ours['per_layer_ms'] - other['per_layer_ms'])} ms per layer and "
-                    f"{signed(ours['intercept_ms'] - other['intercept_ms'])} ms per step outside the layers, "
-                    f"{signed((ours['step_ms'] - other['step_ms']) / 1e3, '.2f')} s at {int(ours['num_layers'])} layers")
+            text = (
+                f"{piece}: {signed(ours['per_layer_ms'] - other['per_layer_ms'])} ms per layer and "
+                f"{signed(ours['intercept_ms'] - other['intercept_ms'])} ms per step outside the layers, "
+                f"{signed((ours['step_ms'] - other['step_ms']) / 1e3, '.2f')} s at {int(ours['num_layers'])} layers"
+            )
             if pd.notna(peak.get("ours")) and pd.notna(peak.get(variant)):
                 text += f"; peak at {deepest} layers {signed(peak['ours'] - peak[variant], '.1f')} GiB"
             parts.append(text + ".")
     fastest = fits["step_ms"].idxmin()
-    parts.append(f"Fastest extrapolated step: {LABEL.get(fastest, fastest)}, {fits.loc[fastest, 'step_ms'] / 1e3:.2f} s "
-                 f"({fits.loc[fastest, 'mfu']:.1%} MFU)." if pd.notna(fits.loc[fastest, "mfu"]) else
-                 f"Fastest extrapolated step: {LABEL.get(fastest, fastest)}, {fits.loc[fastest, 'step_ms'] / 1e3:.2f} s.")
+    parts.append(
+        f"Fastest extrapolated step: {LABEL.get(fastest, fastest)}, {fits.loc[fastest, 'step_ms'] / 1e3:.2f} s "
+        f"({fits.loc[fastest, 'mfu']:.1%} MFU)."
+        if pd.notna(fits.loc[fastest, "mfu"])
+        else f"Fastest extrapolated step: {LABEL.get(fastest, fastest)}, {fits.loc[fastest, 'step_ms'] / 1e3:.2f} s."
+    )
     return "\n\n".join(parts)
 
 
@@ -353,7 +441,9 @@ def at_deepest_shared(cells: pd.DataFrame, column: str, variant: str) -> tuple[i
     if column not in cells:
         return None
     values = cells.dropna(subset=[column]).set_index(["stack", "num_layers"])[column]
-    shared = sorted({n for s, n in values.index if s == "ours"} & {n for s, n in values.index if s == variant})
+    shared = sorted(
+        {n for s, n in values.index if s == "ours"} & {n for s, n in values.index if s == variant}
+    )
     if not shared:
         return None
     layers = shared[-1]
@@ -366,9 +456,11 @@ def updates_lost(cells: pd.DataFrame) -> str | None:
     if (found := at_deepest_shared(cells, "updated_fraction", "ours_fp32_master")) is None:
         return None
     layers, bf16, fp32 = found
-    return (f"One more AdamW step after the timing changes {bf16:.1%} of the bf16 weights of ours and "
-            f"{fp32:.1%} of the float32 master weights at {layers} layers: AdamW (weight decay included) moves "
-            "every nonzero weight, so a bf16 weight it leaves unchanged had its update rounded away.")
+    return (
+        f"One more AdamW step after the timing changes {bf16:.1%} of the bf16 weights of ours and "
+        f"{fp32:.1%} of the float32 master weights at {layers} layers: AdamW (weight decay included) moves "
+        "every nonzero weight, so a bf16 weight it leaves unchanged had its update rounded away."
+    )
 
 
 def optimizer_worth(cells: pd.DataFrame) -> str | None:
@@ -378,8 +470,10 @@ def optimizer_worth(cells: pd.DataFrame) -> str | None:
         return None
     layers, ours_ms, torch_ms = found
     faster = "ours" if ours_ms < torch_ms else "torch.optim.AdamW(fused=True)"
-    return (f"Our AdamW kernel, against torch.optim.AdamW(fused=True): `optimizer.step()` alone takes {ours_ms:,.1f} "
-            f"ms against {torch_ms:,.1f} ms at {layers} layers ({ours_ms / torch_ms:.2f}×); the faster is {faster}.")
+    return (
+        f"Our AdamW kernel, against torch.optim.AdamW(fused=True): `optimizer.step()` alone takes {ours_ms:,.1f} "
+        f"ms against {torch_ms:,.1f} ms at {layers} layers ({ours_ms / torch_ms:.2f}×); the faster is {faster}."
+    )
 
 
 def signed(x: float, fmt: str = ".1f") -> str:
@@ -393,16 +487,36 @@ def goal_text(fits: pd.DataFrame) -> str:
     if "ours" not in fits.index:
         return ""
     ours = fits.loc["ours"]
-    rows = [("34-layer step, one sequence (extrapolated)", f"{ours['step_ms'] / 1e3:.2f} s", f"≤ {GOAL_STEP_S} s",
-             "pass" if ours["step_ms"] / 1e3 <= GOAL_STEP_S else "FAIL")]
+    rows = [
+        (
+            "34-layer step, one sequence (extrapolated)",
+            f"{ours['step_ms'] / 1e3:.2f} s",
+            f"≤ {GOAL_STEP_S} s",
+            "pass" if ours["step_ms"] / 1e3 <= GOAL_STEP_S else "FAIL",
+        )
+    ]
     if "native" in fits.index:
         native = fits.loc["native", "per_layer_ms"]
-        rows.insert(0, ("per-layer time ≤ the native stack's (same run)", f"{ours['per_layer_ms']:.1f} ms",
-                        f"{native:.1f} ms", "pass" if ours["per_layer_ms"] <= native else "FAIL"))
+        rows.insert(
+            0,
+            (
+                "per-layer time ≤ the native stack's (same run)",
+                f"{ours['per_layer_ms']:.1f} ms",
+                f"{native:.1f} ms",
+                "pass" if ours["per_layer_ms"] <= native else "FAIL",
+            ),
+        )
     table = pd.DataFrame(rows, columns=["goal (one GPU)", "ours", "bound", "result"])
     met = (table["result"] == "pass").sum()
-    return "\n\n".join(part for part in (text_md(table), f"Ours meets {met} of the {len(table)} one-GPU goals.",
-                                          layer_needed(fits)) if part)
+    return "\n\n".join(
+        part
+        for part in (
+            text_md(table),
+            f"Ours meets {met} of the {len(table)} one-GPU goals.",
+            layer_needed(fits),
+        )
+        if part
+    )
 
 
 def layer_needed(fits: pd.DataFrame) -> str | None:
@@ -415,11 +529,13 @@ def layer_needed(fits: pd.DataFrame) -> str | None:
     needed = (GOAL_STEP_S * 1e3 - ours["intercept_ms"]) / layers
     fastest = fits["per_layer_ms"].idxmin()
     fastest_ms = fits.loc[fastest, "per_layer_ms"]
-    return (f"To meet {GOAL_STEP_S} s at {layers} layers, ours's layer would have to take (({GOAL_STEP_S} s − its "
-            f"{ours['intercept_ms']:,.1f} ms intercept) / {layers} =) at most {needed:,.1f} ms, "
-            f"{ours['per_layer_ms'] - needed:,.1f} ms less than it does. The fastest layer in this run takes "
-            f"{fastest_ms:,.1f} ms ({LABEL.get(fastest, fastest)}), {abs(fastest_ms - needed):,.1f} ms "
-            f"{'above' if fastest_ms > needed else 'within'} that bound.")
+    return (
+        f"To meet {GOAL_STEP_S} s at {layers} layers, ours's layer would have to take (({GOAL_STEP_S} s − its "
+        f"{ours['intercept_ms']:,.1f} ms intercept) / {layers} =) at most {needed:,.1f} ms, "
+        f"{ours['per_layer_ms'] - needed:,.1f} ms less than it does. The fastest layer in this run takes "
+        f"{fastest_ms:,.1f} ms ({LABEL.get(fastest, fastest)}), {abs(fastest_ms - needed):,.1f} ms "
+        f"{'above' if fastest_ms > needed else 'within'} that bound."
+    )
 
 
 def sharded_text(ctx: Context) -> str:
@@ -439,7 +555,9 @@ def sharded_text(ctx: Context) -> str:
     compiled = "" if cells["compiled"].astype(str).eq("True").any() else " No block is compiled in this run."
     if "optimizer" in cells:
         first = cells.drop_duplicates("stack").set_index("stack")["optimizer"]
-        optimizers = " AdamW: " + "; ".join(f"{OPTIMIZER.get(first[s], first[s])} ({s})" for s in stacks) + "."
+        optimizers = (
+            " AdamW: " + "; ".join(f"{OPTIMIZER.get(first[s], first[s])} ({s})" for s in stacks) + "."
+        )
     else:  # cells written before they named their optimizer
         optimizers = " Each stack ran the optimizer it had at the commit above (not recorded in the cells)."
     out = [
@@ -457,7 +575,10 @@ def sharded_text(ctx: Context) -> str:
         "gradient synchronisation (median over the steps, the largest rank's); FSDP2 has no such count. "
         + (f"LM-head chunks of {p['head_chunk']:,} tokens; " if p.get("head_chunk") else "")
         + "the CUDA allocator uses expandable segments. Stacks: "
-        + "; ".join(LABEL.get(s, s) for s in stacks) + "." + optimizers + compiled,
+        + "; ".join(LABEL.get(s, s) for s in stacks)
+        + "."
+        + optimizers
+        + compiled,
         "",
         text_md(sharded_table(cells, stacks, "GPUs" if gpus else "ranks")),
     ]
@@ -467,12 +588,26 @@ def sharded_text(ctx: Context) -> str:
     measured = set(zip(cells["stack"], cells["world_size"], cells["num_layers"], strict=True))
     shown = [f for _, f in fits.iterrows() if (f["stack"], f["world_size"], f["num_layers"]) not in measured]
     if shown:
-        steps = [f"{LABEL.get(f['stack'], f['stack'])}, {signed(f['step_ms'] / 1e3, '.2f').lstrip('+')} s at "
-                 f"{int(f['num_layers'])} layers on {int(f['world_size'])} {unit}" for f in shown]
-        out += ["", "Extrapolated (least squares of step time over the depths measured; not a measurement, and not "
-                    f"judged against the goals): {'; '.join(steps)}."]
-    out += ["", sharded_goal_text(cells), "", against_native(cells, unit), "", attention_worth(cells), "",
-            whole_layers_text(ctx, cells)]
+        steps = [
+            f"{LABEL.get(f['stack'], f['stack'])}, {signed(f['step_ms'] / 1e3, '.2f').lstrip('+')} s at "
+            f"{int(f['num_layers'])} layers on {int(f['world_size'])} {unit}"
+            for f in shown
+        ]
+        out += [
+            "",
+            "Extrapolated (least squares of step time over the depths measured; not a measurement, and not "
+            f"judged against the goals): {'; '.join(steps)}.",
+        ]
+    out += [
+        "",
+        sharded_goal_text(cells),
+        "",
+        against_native(cells, unit),
+        "",
+        attention_worth(cells),
+        "",
+        whole_layers_text(ctx, cells),
+    ]
     return "\n".join(part for part in out if part is not None)
 
 
@@ -483,9 +618,13 @@ def attention_worth(cells: pd.DataFrame) -> str:
     for (stack, world, layers), ours in ok.items():
         other = ok.get(("ours_fsdp_sdpa", world, layers))
         if stack == "ours_fsdp" and other is not None:
-            parts.append(f"{signed((ours - other) / 1e3, '.2f')} s per step at {layers} layers on {world} ranks "
-                         f"({ours / other - 1:+.1%})".replace("-", "−"))
-    return f"Our FlashAttention against SDPA's, the rest of ours the same: {'; '.join(parts)}." if parts else ""
+            parts.append(
+                f"{signed((ours - other) / 1e3, '.2f')} s per step at {layers} layers on {world} ranks "
+                f"({ours / other - 1:+.1%})".replace("-", "−")
+            )
+    return (
+        f"Our FlashAttention against SDPA's, the rest of ours the same: {'; '.join(parts)}." if parts else ""
+    )
 
 
 def listed(values: pd.Series) -> str:
@@ -499,15 +638,18 @@ def sharded_table(cells: pd.DataFrame, stacks: list[str], ranks: str) -> pd.Data
     for stack in stacks:
         for _, c in cells[cells["stack"] == stack].sort_values(["world_size", "num_layers"]).iterrows():
             ok = c["status"] == "ok"
-            rows.append({
-                "stack": LABEL.get(stack, stack), ranks: str(int(c["world_size"])),
-                "layers": str(int(c["num_layers"])),
-                "step (s)": seconds(c["step_ms"]) if ok else c["status"],
-                "MFU": mfu(c),
-                "peak per GPU (GiB)": peak_gib(c),
-                "exposed all-gather (ms)": wait(c, "gather_wait_ms"),
-                "synchronisation wait (ms)": wait(c, "sync_wait_ms"),
-            })
+            rows.append(
+                {
+                    "stack": LABEL.get(stack, stack),
+                    ranks: str(int(c["world_size"])),
+                    "layers": str(int(c["num_layers"])),
+                    "step (s)": seconds(c["step_ms"]) if ok else c["status"],
+                    "MFU": mfu(c),
+                    "peak per GPU (GiB)": peak_gib(c),
+                    "exposed all-gather (ms)": wait(c, "gather_wait_ms"),
+                    "synchronisation wait (ms)": wait(c, "sync_wait_ms"),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -540,29 +682,53 @@ def sharded_goal_text(cells: pd.DataFrame) -> str:
     at = cells[(cells["num_layers"] == LEADERBOARD_LAYERS) & (cells["world_size"] == LEADERBOARD_GPUS)]
     at = at.drop_duplicates("stack", keep="last").set_index("stack")
     if at.empty:
-        return (f"The two-GPU goals are judged only at {where}; this run had {listed(cells['num_layers'])} layers "
-                f"on {listed(cells['world_size'])} ranks.")
+        return (
+            f"The two-GPU goals are judged only at {where}; this run had {listed(cells['num_layers'])} layers "
+            f"on {listed(cells['world_size'])} ranks."
+        )
     if "ours_fsdp" not in at.index:
         return f"Ours under our FSDP was not measured at {where}: the two-GPU goals are not judged."
     ours = at.loc["ours_fsdp"]
     if ours["status"] != "ok":
-        return f"Ours meets 0 of the 3 two-GPU goals: it did not complete a step at {where} ({ours['status']})."
+        return (
+            f"Ours meets 0 of the 3 two-GPU goals: it did not complete a step at {where} ({ours['status']})."
+        )
     step_s = ours["step_ms"] / 1e3
-    rows = [(f"step at {where}", f"{step_s:.2f} s", f"≤ {GOAL_STEP_S} s", "pass" if step_s <= GOAL_STEP_S else "FAIL")]
+    rows = [
+        (
+            f"step at {where}",
+            f"{step_s:.2f} s",
+            f"≤ {GOAL_STEP_S} s",
+            "pass" if step_s <= GOAL_STEP_S else "FAIL",
+        )
+    ]
     notes = []
     native = at.loc["native_fsdp"] if "native_fsdp" in at.index else None
     if native is not None and native["status"] == "ok":
         bound = (1 - GOAL_FASTER) * native["step_ms"] / 1e3
-        rows.append((f"at least {GOAL_FASTER:.0%} faster than the native stack under FSDP2 (same run)",
-                     f"{step_s:.2f} s", f"≤ {1 - GOAL_FASTER:.2f} × {native['step_ms'] / 1e3:.2f} s = {bound:.2f} s",
-                     "pass" if ours["step_ms"] <= (1 - GOAL_FASTER) * native["step_ms"] else "FAIL"))
+        rows.append(
+            (
+                f"at least {GOAL_FASTER:.0%} faster than the native stack under FSDP2 (same run)",
+                f"{step_s:.2f} s",
+                f"≤ {1 - GOAL_FASTER:.2f} × {native['step_ms'] / 1e3:.2f} s = {bound:.2f} s",
+                "pass" if ours["step_ms"] <= (1 - GOAL_FASTER) * native["step_ms"] else "FAIL",
+            )
+        )
     else:
         status = "was not measured" if native is None else f"did not complete a step ({native['status']})"
-        notes.append(f"The native stack under FSDP2 {status} at {where}: the {GOAL_FASTER:.0%} goal is not judged.")
+        notes.append(
+            f"The native stack under FSDP2 {status} at {where}: the {GOAL_FASTER:.0%} goal is not judged."
+        )
     if pd.notna(ours["peak_mib"]):
         peak = ours["peak_mib"] / 1024
-        rows.append(("peak memory per GPU", f"{peak:,.1f} GiB", f"< {GOAL_PEAK_GIB} GiB",
-                     "pass" if peak < GOAL_PEAK_GIB else "FAIL"))
+        rows.append(
+            (
+                "peak memory per GPU",
+                f"{peak:,.1f} GiB",
+                f"< {GOAL_PEAK_GIB} GiB",
+                "pass" if peak < GOAL_PEAK_GIB else "FAIL",
+            )
+        )
     else:
         notes.append("This device reports no allocator peak: the memory goal is not judged.")
     table = pd.DataFrame(rows, columns=["goal (two GPUs)", "ours", "bound", "result"])
@@ -581,11 +747,14 @@ def against_native(cells: pd.DataFrame, unit: str) -> str:
         return ""
     world, layers = shared[-1]
     ratio = ours.loc[(world, layers)] / native.loc[(world, layers)]
-    verdict = ("the same time" if ratio == 1 else
-               f"{abs(1 - ratio):,.1%} {'faster' if ratio < 1 else 'slower'}")
-    return (f"Ours against the native stack under FSDP2 at {int(layers)} layers on {int(world)} {unit}: ours takes "
-            f"{ratio:,.1%} of the native stack's time ({seconds(ours.loc[(world, layers)])} s against "
-            f"{seconds(native.loc[(world, layers)])} s), {verdict}.")
+    verdict = (
+        "the same time" if ratio == 1 else f"{abs(1 - ratio):,.1%} {'faster' if ratio < 1 else 'slower'}"
+    )
+    return (
+        f"Ours against the native stack under FSDP2 at {int(layers)} layers on {int(world)} {unit}: ours takes "
+        f"{ratio:,.1%} of the native stack's time ({seconds(ours.loc[(world, layers)])} s against "
+        f"{seconds(native.loc[(world, layers)])} s), {verdict}."
+    )
 
 
 def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
@@ -595,18 +764,27 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
     memory and in step time); every rank holds its own sequence's activations, so sharding leaves them per GPU as
     they are. The headroom is the goal less ours's measured peak under our FSDP."""
     one_gpu = ctx.table("train_step")
-    at = cells[(cells["stack"] == "ours_fsdp") & (cells["status"] == "ok") & cells["peak_mib"].notna()
-               & (cells["num_layers"] == LEADERBOARD_LAYERS) & (cells["world_size"] == LEADERBOARD_GPUS)]
+    at = cells[
+        (cells["stack"] == "ours_fsdp")
+        & (cells["status"] == "ok")
+        & cells["peak_mib"].notna()
+        & (cells["num_layers"] == LEADERBOARD_LAYERS)
+        & (cells["world_size"] == LEADERBOARD_GPUS)
+    ]
     if one_gpu is None or at.empty:
         return ""
     frame = one_gpu[0]
     ok = frame[(frame["kind"] == "cell") & (frame["status"] == "ok")].dropna(subset=["peak_mib"])
     fits = frame[frame["kind"] == "fit"].set_index("stack")
     pairs = ("ours", "ours_no_checkpoint")
-    if not set(pairs) <= set(fits.index) or any(ok[ok["stack"] == s]["num_layers"].nunique() < 2 for s in pairs):
+    if not set(pairs) <= set(fits.index) or any(
+        ok[ok["stack"] == s]["num_layers"].nunique() < 2 for s in pairs
+    ):
         return ""
-    peak_slope = {s: np.polyfit(ok[ok["stack"] == s]["num_layers"], ok[ok["stack"] == s]["peak_mib"], 1)[0] / 1024
-                  for s in pairs}
+    peak_slope = {
+        s: np.polyfit(ok[ok["stack"] == s]["num_layers"], ok[ok["stack"] == s]["peak_mib"], 1)[0] / 1024
+        for s in pairs
+    }
     extra_gib = peak_slope["ours_no_checkpoint"] - peak_slope["ours"]
     saved_ms = fits.loc["ours", "per_layer_ms"] - fits.loc["ours_no_checkpoint", "per_layer_ms"]
     ours = at.iloc[-1]
@@ -614,14 +792,18 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
     whole = max(0, min(LEADERBOARD_LAYERS, math.floor(headroom / extra_gib))) if extra_gib > 0 else 0
     if saved_ms > 0:
         time = f"saves {saved_ms:,.1f} ms of step time"
-        worth = (f"worth {whole * saved_ms:,.1f} ms per step ({whole * saved_ms / ours['step_ms']:.2%} of its "
-                 f"{ours['step_ms'] / 1e3:.2f} s)")
+        worth = (
+            f"worth {whole * saved_ms:,.1f} ms per step ({whole * saved_ms / ours['step_ms']:.2%} of its "
+            f"{ours['step_ms'] / 1e3:.2f} s)"
+        )
     else:
         time, worth = f"saves no step time ({signed(saved_ms)} ms)", "worth no time"
-    return (f"**Which layers keep everything, by measurement.** On one GPU a layer that keeps all its activations "
-            f"costs {extra_gib:.2f} GiB more peak memory than a selectively checkpointed one and {time} "
-            "(least-squares slopes over depth of ours without checkpointing against ours); each rank holds its own "
-            "sequence's activations, so the same holds per GPU under sharding. Ours under our FSDP peaks at "
-            f"{ours['peak_mib'] / 1024:,.1f} GiB at {LEADERBOARD_LAYERS} layers on {LEADERBOARD_GPUS} GPUs, "
-            f"{headroom:,.1f} GiB below the {GOAL_PEAK_GIB} GiB goal: by these slopes, room for {whole} whole "
-            f"layer(s), {worth}. The stacks measured here keep no layer whole.")
+    return (
+        f"**Which layers keep everything, by measurement.** On one GPU a layer that keeps all its activations "
+        f"costs {extra_gib:.2f} GiB more peak memory than a selectively checkpointed one and {time} "
+        "(least-squares slopes over depth of ours without checkpointing against ours); each rank holds its own "
+        "sequence's activations, so the same holds per GPU under sharding. Ours under our FSDP peaks at "
+        f"{ours['peak_mib'] / 1024:,.1f} GiB at {LEADERBOARD_LAYERS} layers on {LEADERBOARD_GPUS} GPUs, "
+        f"{headroom:,.1f} GiB below the {GOAL_PEAK_GIB} GiB goal: by these slopes, room for {whole} whole "
+        f"layer(s), {worth}. The stacks measured here keep no layer whole."
+    )
