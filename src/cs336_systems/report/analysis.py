@@ -447,7 +447,7 @@ def difference(a: Intervals, b: Intervals) -> Intervals:
 
 def gather_exposure(kernels: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Where a traced step's all-gathers were exposed (ran while no compute kernel ran), from its kernels
-    (columns stream, kind, start_ms, end_ms, layer: fsdp_benchmarking's timeline rows of one variant). Compute
+    (columns stream, kind, start_ms, end_ms, layer: bench.fsdp_variants' timeline rows of one variant). Compute
     kernels are the compute kernels and copies on the streams that run compute kernels: a copy on a communication
     stream (FSDP2's copy-in before its all-gather) is part of the communication, not computation it could hide
     behind, while a collective on the compute stream (a synchronous one: torch runs it on the current stream)

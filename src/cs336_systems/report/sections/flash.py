@@ -16,7 +16,7 @@ IMPLS = {"triton": "ours (Triton)", "pytorch_naive": "naive PyTorch", "sdpa": "S
 def render(ctx: Context) -> str:
     return "\n\n".join(
         [
-            f"### Benchmark grid (flash_benchmarking)\n\n{benchmark(ctx)}",
+            f"### Benchmark grid (bench.flash_variants)\n\n{benchmark(ctx)}",
             f"### Leaderboard (spec §1.3.3)\n\n{leaderboard(ctx)}",
         ]
     )

@@ -1,5 +1,5 @@
 """The rows of the multi-process benchmarks from hand-made per-rank measurements (cs336_systems.
-distributed_benchmarking), without processes: the distributed runs are in test_ddp and test_sharded_optimizer."""
+bench.data_parallel), without processes: the distributed runs are in test_ddp and test_sharded_optimizer."""
 
 from __future__ import annotations
 
