@@ -4,9 +4,8 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config.yaml"
-
-
+# The config: rules/config.smk reads config.yaml (its `configfile:`, after a parse of its own that names a YAML
+# mistake's line and column), validates it and selects the run.
 include: "rules/config.smk"
 include: "rules/common.smk"
 include: "rules/e2e.smk"
@@ -25,3 +24,8 @@ rule all:
     default_target: True
     input:
         "report/writeup.md",
+
+
+# A failed job: beside Snakemake's report of its command and log, the one line of its log that says why.
+onerror:
+    log_failed_jobs()

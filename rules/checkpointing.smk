@@ -1,11 +1,7 @@
 # 2026 §3.2 activation checkpointing: (b) every policy of one size, one job per autocast setting (a run cut
 # short keeps the settings it finished); (a) the depth study of a few policies on a smaller size.
 CHECKPOINTING = R["checkpointing"]
-CKPT_POLICIES, CKPT_DEPTHS = CHECKPOINTING["policies"], CHECKPOINTING["depths"]
-for _key, _study in CHECKPOINTING.items():
-    if _study["size"] not in MODEL_SIZES:
-        raise WorkflowError(f"config.yaml: runs.{RUN}.checkpointing.{_key}.size: unknown model size "
-                            f"{_study['size']!r}; known: {list(MODEL_SIZES)}")
+CKPT_POLICIES, CKPT_DEPTHS = CHECKPOINTING["policies"], CHECKPOINTING["depths"]  # sizes: checked by config.smk
 CHECKPOINTING_CODE = code("experiments/checkpointing_benchmark.py", "model/checkpointing.py",
                           "bench/checkpoint_memory.py", "measure/cuda_memory.py", *MODEL_CODE)
 CHECKPOINTING_CLI = ("python -m cs336_systems.experiments.checkpointing_benchmark --size {params.size} "
@@ -15,6 +11,8 @@ CHECKPOINTING_CLI = ("python -m cs336_systems.experiments.checkpointing_benchmar
 
 
 rule checkpointing_policies:
+    message:
+        "2026 §3.2 activation checkpointing: every policy, autocast {wildcards.autocast} -> {output.csv}"
     input:
         CHECKPOINTING_CODE,
     output:
@@ -49,6 +47,8 @@ rule checkpointing_policies:
 
 
 rule checkpointing_depths:
+    message:
+        "2026 §3.2 activation checkpointing: the depth study -> {output.csv}"
     input:
         CHECKPOINTING_CODE,
     output:

@@ -1,11 +1,14 @@
 # §1.3.2–1.3.4 FlashAttention-2: the benchmark grid (ours vs naive PyTorch vs SDPA) and the leaderboard timing;
 # the grid against PyTorch's fastest attention (SDPA's cuDNN and flash backends, compiled FlexAttention) and an
-# Nsight Compute profile of our kernels beside cuDNN's.
+# Nsight Compute profile of our kernels beside cuDNN's. Without a GPU, flash_benchmark and flash_peers check our
+# kernels in the Triton interpreter against a float64 reference instead of timing them.
 FLASH, BOARD, PEERS, FLASH_NCU = R["flash"], R["leaderboard"], R["flash_peers"], R["flash_ncu"]
 FLASH_CODE = code("bench/flash_variants.py", "kernels/flash_attention.py", "kernels/flash_triton.py", "kernels/triton_interpreter.py")
 
 
 rule flash_benchmark:
+    message:
+        "§1.3.2 FlashAttention-2 grid, {wildcards.dtype}, head dim {wildcards.d_head} -> {output.csv}"
     input:
         code("experiments/flash_benchmark.py") + FLASH_CODE,
     output:
@@ -32,6 +35,8 @@ rule flash_benchmark:
 
 
 rule flash_leaderboard:
+    message:
+        "§1.3.3 FlashAttention-2 leaderboard timing -> {output.csv}"
     input:
         code("experiments/flash_leaderboard.py") + FLASH_CODE,
     output:
@@ -60,6 +65,8 @@ rule flash_leaderboard:
 
 
 rule flash_peers:
+    message:
+        "FlashAttention-2 against PyTorch's fastest attention, {wildcards.mask}, head dim {wildcards.d_head} -> {output.csv}"
     input:
         code("experiments/flash_benchmark.py") + FLASH_CODE,
     output:
@@ -93,6 +100,8 @@ rule flash_peers:
 
 
 rule flash_ncu:
+    message:
+        "FlashAttention-2 under Nsight Compute -> {output.csv}"
     input:
         code("experiments/flash_ncu.py", "measure/ncu.py") + FLASH_CODE,
     output:

@@ -4,14 +4,10 @@
 # world 2 on two (the goals against FSDP2, the accounting and the all-gather timeline). On the launch pattern of
 # rules/distributed.smk: a machine with too few GPUs gets `skipped` rows in both tables.
 FSDP = R["fsdp"]
+# One job per world size, a multiple of its nodes: rules/config.smk checks both before any job starts.
 FSDP_JOBS = {job["world_size"]: job for job in FSDP["jobs"]}
-if len(FSDP_JOBS) < len(FSDP["jobs"]):
-    raise WorkflowError(f"config.yaml: runs.{RUN}.fsdp.jobs: one job per world size")
 # A job may span `nodes` nodes (default 1; world_size / nodes ranks on each) of a SLURM job (profiles/slurm).
 FSDP_NODES = {n: job.get("nodes", 1) for n, job in FSDP_JOBS.items()}
-for n, nodes in FSDP_NODES.items():
-    if n % nodes:
-        raise WorkflowError(f"config.yaml: runs.{RUN}.fsdp.jobs: world_size {n} is not a multiple of nodes {nodes}")
 FSDP_CSV = f"{RESULTS}/fsdp/n{{world_size}}.csv"
 FSDP_TIMELINE_CSV = f"{RESULTS}/fsdp_timeline/n{{world_size}}.csv"
 FSDP_REPORT = dict(caption="report/fsdp.rst", category="Results", subcategory="7 Fully-sharded data parallel")
@@ -33,6 +29,8 @@ fsdp_cli = per_world_size({
 
 
 use rule launch_ranks as fsdp_benchmark with:
+    message:
+        "2026 §7 FSDP against FSDP2, DDP and one rank, world size {wildcards.world_size} -> {output.csv}"
     input:
         code("experiments/fsdp_benchmark.py", "bench/fsdp_variants.py", "parallel/fsdp.py", "measure/timeline.py", "measure/cuda_memory.py",
              *BENCHMARK_CODE, *DIST_CODE),

@@ -12,6 +12,8 @@ REPORT_CODE += code(*(m for m in REPORT_MODULES if not m.startswith("report/")))
 
 
 rule writeup:
+    message:
+        "the writeup of run {params.run} -> {output.run}"
     input:
         WRITEUP_INPUTS,
         REPORT_CODE,
@@ -33,3 +35,11 @@ rule writeup:
         "mkdir -p {output.figures}; "
         "python -m cs336_systems.report --run {params.run} --results results/{params.run} --out {output.run} "
         "--copy {output.top} 2> {log}"
+
+
+onsuccess:
+    # Where to read what the run made (not after a dry run: Snakemake skips this handler there).
+    writeup = Path(f"report/{RUN}/writeup.md")
+    if writeup.exists():
+        print(f"\nThe writeup of run {RUN}: {writeup} (and report/writeup.md). An HTML report with every table and "
+              "figure: snakemake --report report/report.html", file=sys.stderr)

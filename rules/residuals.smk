@@ -1,12 +1,11 @@
 # 2026 §3.1 autograd residuals: what RMSNorm and one Transformer block save for backward, eager and compiled,
 # naive and flash attention, measured with saved-tensor hooks beside the analytic count.
-RESIDUALS = R["residuals"]
-if RESIDUALS["size"] not in MODEL_SIZES:
-    raise WorkflowError(f"config.yaml: runs.{RUN}.residuals.size: unknown model size {RESIDUALS['size']!r}; "
-                        f"known: {list(MODEL_SIZES)}")
+RESIDUALS = R["residuals"]  # its size and heads: checked by rules/config.smk
 
 
 rule residuals:
+    message:
+        "2026 §3.1 autograd residuals of RMSNorm and one block -> {output.csv}"
     input:
         code("experiments/residuals_benchmark.py", "measure/saved_tensors.py", "kernels/flash_attention.py", "kernels/flash_triton.py",
              "kernels/triton_interpreter.py"),

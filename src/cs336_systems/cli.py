@@ -1,5 +1,6 @@
-"""What every experiment CLI shares: a parser with `--out`, argument types that reject a bad value by its flag
-before any work starts, and the model flags (a size by name, the batch, the attention)."""
+"""What every experiment CLI shares: a parser with `--out`, whose help keeps the module docstring's layout and
+shows every flag's default, argument types that reject a bad value by its flag before any work starts, the model
+flags (a size by name, the batch, the attention), and the check that a CLI of several ranks was launched as such."""
 
 from __future__ import annotations
 
@@ -9,14 +10,27 @@ from cs336_systems.measure.timing import resolve_device
 from cs336_systems.model.sizes import MODEL_SIZES
 from cs336_systems.model.transformer import ATTENTION, ModelConfig
 
+# The help of a flag that several CLIs (or the library's flag helpers) define with one meaning, where one gives none
+SHARED_HELP = {
+    "--context-length": "tokens per sequence",
+    "--batch-size": "sequences per batch",
+    "--backend": "the process group's backend (under the launcher: the launcher's --backend)",
+}
+
 
 class Parser(argparse.ArgumentParser):
     """A parser that also runs `checks`: functions of the parsed flags that raise ValueError where flags do not
-    fit together (a checkpoint policy beyond the size's layers), reported as errors of the parse."""
+    fit together (a checkpoint policy beyond the size's layers), reported as errors of the parse. A flag of
+    SHARED_HELP added without help gets that help."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.checks: list = []
+
+    def add_argument(self, *names, **kwargs):
+        if not kwargs.get("help") and names and names[0] in SHARED_HELP:
+            kwargs["help"] = SHARED_HELP[names[0]]
+        return super().add_argument(*names, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, rest = super().parse_known_args(args, namespace)
@@ -28,13 +42,34 @@ class Parser(argparse.ArgumentParser):
         return parsed, rest
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` as the module docstring lays it out (its example commands keep their lines), and each flag's
+    default after its help, where it has one worth showing (not None, not a switch's False, not a required
+    flag's)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or any(action.default is hidden for hidden in (None, False, argparse.SUPPRESS)):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parser(doc: str | None, seed: bool = True) -> argparse.ArgumentParser:
     """An experiment's parser: its module docstring as help, `--out` and (for runs with randomness) `--seed`."""
-    p = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=doc, formatter_class=HelpFormatter)
     p.add_argument("--out", required=True, help="CSV to write (a .json provenance file goes beside it)")
     if seed:
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
     return p
+
+
+def require_launcher(p: argparse.ArgumentParser, module: str) -> None:
+    """For a CLI that runs as ranks of a process group (call it with `__name__` once its flags are checked):
+    started without the launcher, an error of the parse (exit status 2) in one line that says how to start it."""
+    # imported here: torch.distributed, which only the CLIs of ranks need
+    from cs336_systems.parallel.distributed import how_to_launch, launched
+
+    if not launched():  # argparse's error line without the usage, which says nothing about the launcher
+        p.exit(2, f"{p.prog}: error: runs as the ranks of a process group: {how_to_launch(module)}\n")
 
 
 def _number(kind: type, lowest: float, inclusive: bool, words: str):
@@ -95,7 +130,9 @@ def add_model_args(p: argparse.ArgumentParser, batch_size: int = 4) -> None:
     g.add_argument(
         "--batch-size", type=positive_int, default=batch_size, help="sequences per batch (per rank)"
     )
-    g.add_argument("--attention", choices=sorted(ATTENTION), default="naive")
+    g.add_argument(
+        "--attention", choices=sorted(ATTENTION), default="naive", help="the attention's implementation"
+    )
     g.add_argument(
         "--checkpoint",
         default="none",
@@ -130,8 +167,17 @@ def add_step_sweep_args(p: argparse.ArgumentParser, warmup: int, steps: int, mea
 
     add_model_args(p)
     add_device(p)
-    p.add_argument("--context-lengths", type=positive_int, nargs="+", required=True)
-    p.add_argument("--modes", nargs="+", choices=workload.MODES, default=list(workload.MODES))
+    p.add_argument(
+        "--context-lengths", type=positive_int, nargs="+", required=True, help="tokens per sequence"
+    )
+    p.add_argument(
+        "--modes", nargs="+", choices=workload.MODES, default=list(workload.MODES), help="what a step runs"
+    )
     p.add_argument("--warmup", type=nonnegative_int, default=warmup, help=f"steps before the {measured} ones")
     p.add_argument("--steps", type=positive_int, default=steps, help=f"{measured} steps")
-    p.add_argument("--autocast", choices=sorted(workload.AUTOCAST), default="none")
+    p.add_argument(
+        "--autocast",
+        choices=sorted(workload.AUTOCAST),
+        default="none",
+        help="torch.autocast's dtype, or none",
+    )

@@ -297,17 +297,21 @@ def test_flash_attention_rejects_unknown_impl():
 # Benchmark CLIs: on a machine without CUDA they write skipped rows (and validate flags first).
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU benchmarks")
-def test_flash_benchmark_writes_skipped_rows_without_cuda(tmp_path):
+@launches_kernels
+def test_flash_benchmark_checks_our_kernels_in_the_interpreter_without_cuda(tmp_path):
     from cs336_systems.experiments import flash_benchmark
 
     out = tmp_path / "flash.csv"
     flash_benchmark.main(
-        ["--seq-lens", "128", "256", "--d-heads", "16", "--dtypes", "float32", "--out", str(out)]
+        ["--seq-lens", "40", "64", "--d-heads", "16", "--dtypes", "float32", "bfloat16", "--out", str(out)]
     )
     rows = pd.read_csv(out)
-    assert len(rows) == 2 * 3 * 3  # seq lens x impls x passes
-    assert set(rows["status"]) == {"skipped"} and set(rows["reason"]) == {"needs CUDA"}
-    assert json.loads(out.with_suffix(".json").read_text())["params"]["seq_lens"] == [128, 256]
+    assert len(rows) == 2 * 2 * 2  # dtypes x seq lens x (forward, backward), ours alone, nothing timed
+    assert set(rows["impl"]) == {"triton"} and rows["interpreted"].all() and rows["ms"].isna().all()
+    assert set(rows["status"]) == {"ok"}, rows[["dtype", "seq_len", "pass", "status", "rel_err"]]
+    assert (rows["rel_err"] <= rows["tolerance"]).all()
+    assert set(rows["tolerance"]) == {1e-5, 3e-2}
+    assert json.loads(out.with_suffix(".json").read_text())["params"]["seq_lens"] == [40, 64]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU benchmarks")

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cs336_systems.report import render
+
 from ..pipeline import copy_pipeline, snakemake
 
 _SMOKE: dict[str, Path | subprocess.CompletedProcess] = {}
@@ -46,6 +48,58 @@ def job_counts(output: str) -> dict[str, int]:
     return {name: int(count) for name, count in (line.split() for line in match.group(1).splitlines())}
 
 
+# The writeup's sections in which our Triton kernels run on a CPU too, in the interpreter: a "needs CUDA" there is a
+# part that gave up where the interpreter could have run.
+INTERPRETED_SECTIONS = (
+    "1.3.2–1.3.4 FlashAttention-2",
+    "FlashAttention-2 against PyTorch's fastest attention",
+    "3.1 Autograd residuals",
+    "9 The leaderboard's training step",
+)
+NAN_VALUE = re.compile(r"(?<![A-Za-z])[+−-]?nan(?![A-Za-z])", re.IGNORECASE)
+CUDA_CALL = re.compile(r"torch\.cuda\.|cuda\.synchronize")
+
+
+def cpu_writeup_problems(writeup: str) -> list[str]:
+    """What a CPU run's writeup must not say: `nan` as a value, a CUDA call as what was done, and "needs CUDA" in a
+    section whose kernels the Triton interpreter runs."""
+    problems = []
+    for number, line in enumerate(writeup.splitlines(), start=1):
+        if NAN_VALUE.search(line):
+            problems.append(f"line {number}, nan as a value: {line[:300]}")
+        if CUDA_CALL.search(line):
+            problems.append(f"line {number}, a CUDA call in a CPU run: {line[:300]}")
+    for section in writeup.split("\n## ")[1:]:
+        heading = section.splitlines()[0]
+        if heading.startswith(INTERPRETED_SECTIONS) and "needs CUDA" in section:
+            problems.append(f"§{heading}: 'needs CUDA' where the Triton interpreter runs our kernels")
+    return problems
+
+
+def test_the_cpu_writeup_check_finds_each_problem():
+    writeup = "\n".join(
+        [
+            "# title",
+            "## 1.1.3 End-to-end benchmarking",
+            "fp32, `torch.cuda.synchronize()` after every step; a nanosecond, financial, NaNo.",
+            "| ours | 1.0 | nan |",
+            "activations and temporaries +nan GiB",
+            "## 1.1.6 Memory profiling",
+            "Not measured in this run: needs CUDA.",
+            "## 1.3.2–1.3.4 FlashAttention-2",
+            "Not measured in this run: needs CUDA.",
+        ]
+    )
+    problems = cpu_writeup_problems(writeup)
+    assert [p.split(",")[0].split(":")[0] for p in problems] == [
+        "line 3",
+        "line 4",
+        "line 5",
+        "§1.3.2–1.3.4 FlashAttention-2",
+    ]
+    assert problems[0].startswith("line 3, a CUDA call")  # its words with "nan" in them are no values
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     return completed_smoke_run(tmp_path_factory)
@@ -69,6 +123,15 @@ def test_writeup_has_every_section_and_its_figures(smoke):
     for link in figures:
         assert (smoke / "report" / link).is_file(), link
     assert "| tiny" in writeup  # the e2e table
+
+
+def test_cpu_writeup_says_what_the_cpu_did(smoke, tmp_path):
+    """Issue 41: rendered from the smoke run, the CPU writeup shows no `nan`, names no CUDA call as what it did, and
+    shows what the interpreter can (our kernels' correctness) where it would otherwise say "needs CUDA"."""
+    writeup = render("cpu", smoke / "results/cpu", tmp_path)
+    assert cpu_writeup_problems(writeup) == []
+    assert "Triton interpreter, CPU: correctness only, no timings." in writeup
+    assert "are judged on a GPU" in writeup and "goal (one GPU)" not in writeup  # §9: no goal table on a CPU
 
 
 def test_second_run_has_nothing_to_do(smoke):

@@ -1,8 +1,9 @@
 """Timing attention for the FlashAttention-2 benchmarks (spec §1.3.2-1.3.3): the implementations they compare,
-the step `triton.testing.do_bench` times for each pass, the FLOP convention and the rows of a failure.
+the step `triton.testing.do_bench` times for each pass, the FLOP convention and the rows of a failure; off the GPU,
+where our kernels run in Triton's CPU interpreter, the check of what they compute against a float64 reference.
 
 An implementation is a function of (q, k, v) of shape (..., seq, d) that returns attention, causal unless it was
-built with `causal=False`.
+built with `causal=False`. Importing this module does not import triton (a CLI may still choose the interpreter).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cs336_systems import cli
-from cs336_systems.kernels.flash_attention import FlashAttentionTriton
 from cs336_systems.measure.timing import is_oom
 
 Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -92,6 +92,8 @@ def attention(impl: str, seq_len: int, device: torch.device, causal: bool = True
     `sdpa_flash` or `sdpa_cudnn`."""
     from torch.nn.attention import SDPBackend
 
+    from cs336_systems.kernels.flash_attention import FlashAttentionTriton
+
     if impl == "triton":
         return lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal)
     if impl == "triton_compiled":
@@ -114,6 +116,35 @@ def attention(impl: str, seq_len: int, device: torch.device, causal: bool = True
 def max_abs_diff(attend: Attention, q: Tensor, k: Tensor, v: Tensor, expected: Tensor) -> float:
     with torch.no_grad():
         return (attend(q, k, v).float() - expected.float()).abs().max().item()
+
+
+# Off the GPU: the bound on our kernels' relative error (max |ours - reference| / max |reference|) against a float64
+# reference in the interpreter, per dtype, as tests/kernels/test_flash_attention.py bounds it: the interpreter's
+# float32 dot is exact float32; bfloat16 rounds P before P @ V, and O and the gradients.
+CHECK_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+CHECK_REFERENCE = "SDPA in float64 on the same inputs"
+
+
+def relative_error(got: Tensor, expected: Tensor) -> float:
+    """max |got - expected| / max |expected|, in float64."""
+    return ((got.double() - expected).abs().max() / expected.abs().max()).item()
+
+
+def check_against_reference(
+    attend: Attention, q: Tensor, k: Tensor, v: Tensor, do: Tensor, causal: bool = True
+) -> dict[str, float]:
+    """One forward and backward of `attend` (the backward of `o` against `do`) beside SDPA's in float64 on the same
+    inputs: `forward`, the relative error of the output, and `backward`, the largest of dQ's, dK's and dV's."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    o = attend(*leaves)
+    o.backward(do)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*exact, is_causal=causal)
+    reference.backward(do.double())
+    return {
+        "forward": relative_error(o.detach(), reference.detach()),
+        "backward": max(relative_error(t.grad, r.grad) for t, r in zip(leaves, exact, strict=True)),
+    }
 
 
 def pass_step(attend: Attention, pass_name: str, q: Tensor, k: Tensor, v: Tensor, do: Tensor | None):

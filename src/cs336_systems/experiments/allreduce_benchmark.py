@@ -2,7 +2,7 @@
 
 Run under the launcher (which records a `skipped` row where the machine lacks the GPUs); rank 0 writes one row
 per size:
-    python -m cs336_systems.parallel.launch --nproc 4 --backend nccl --out X.csv -- \
+    python -m cs336_systems.parallel.launch --nproc 4 --backend nccl --out X.csv -- \\
         cs336_systems.experiments.allreduce_benchmark --sizes-mb 1 10 100 1000
 Every timed iteration starts from a barrier and ends with a device synchronisation; an iteration's time is the
 slowest rank's, and the row gives median/mean/std over iterations plus bandwidths from the median:
@@ -37,7 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=cli.nonnegative_int, default=5, help="untimed iterations per size")
     p.add_argument("--iters", type=cli.positive_int, default=20, help="timed iterations per size")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    cli.require_launcher(p, __name__)
+    return args
 
 
 def run(args: argparse.Namespace, device: torch.device) -> list[dict]:

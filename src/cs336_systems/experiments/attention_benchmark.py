@@ -28,19 +28,31 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     cli.add_device(p)
-    p.add_argument("--batch-size", type=cli.positive_int, default=8)
+    p.add_argument("--batch-size", type=cli.positive_int, default=8, help="sequences per batch")
     p.add_argument(
         "--head-dims", type=cli.positive_int, nargs="+", default=[16, 32, 64, 128], help="d of Q, K, V"
     )
-    p.add_argument("--seq-lens", type=cli.positive_int, nargs="+", default=[256, 1024, 4096, 8192, 16384])
+    p.add_argument(
+        "--seq-lens",
+        type=cli.positive_int,
+        nargs="+",
+        default=[256, 1024, 4096, 8192, 16384],
+        help="sequence lengths",
+    )
     p.add_argument(
         "--warmup", type=cli.nonnegative_int, default=10, help="untimed passes (forward and backward)"
     )
     p.add_argument(
         "--passes", type=cli.positive_int, default=100, help="timed forward and timed backward passes"
     )
-    p.add_argument("--variants", nargs="+", choices=attention_timing.VARIANTS, default=["eager"])
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=attention_timing.VARIANTS,
+        default=["eager"],
+        help="eager, and/or compiled with torch.compile",
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of Q, K, V")
     return p.parse_args(argv)
 
 

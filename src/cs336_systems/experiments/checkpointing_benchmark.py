@@ -33,11 +33,21 @@ from cs336_systems.training import workload
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
-    p.add_argument("--size", choices=list(MODEL_SIZES), required=True)
-    p.add_argument("--batch-size", type=cli.positive_int, default=4)
-    p.add_argument("--context-length", type=cli.positive_int, required=True)
-    p.add_argument("--attention", choices=sorted(ATTENTION), default="naive")
-    p.add_argument("--autocast", nargs="+", choices=sorted(workload.AUTOCAST), default=["none", "bf16"])
+    p.add_argument(
+        "--size", choices=list(MODEL_SIZES), required=True, help="model size (cs336_systems.model.sizes)"
+    )
+    p.add_argument("--batch-size", type=cli.positive_int, default=4, help="sequences per batch")
+    p.add_argument("--context-length", type=cli.positive_int, required=True, help="tokens per sequence")
+    p.add_argument(
+        "--attention", choices=sorted(ATTENTION), default="naive", help="the attention's implementation"
+    )
+    p.add_argument(
+        "--autocast",
+        nargs="+",
+        choices=sorted(workload.AUTOCAST),
+        default=["none", "bf16"],
+        help="torch.autocast dtypes (none: float32) to measure each policy in",
+    )
     p.add_argument("--policies", nargs="+", help="default: none, every:1 .. every:N, nested, selective")
     p.add_argument(
         "--depths", type=cli.positive_int, nargs="+", help="num_layers overrides (default: the size's)"

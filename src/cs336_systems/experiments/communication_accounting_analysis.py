@@ -23,9 +23,9 @@ from cs336_systems.measure.provenance import write_rows
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__, seed=False)
     integer, number = cli.positive_int, cli.positive_float
-    p.add_argument("--d-model", type=integer, default=16384)
-    p.add_argument("--d-ff", type=integer, default=53248)
-    p.add_argument("--num-blocks", type=integer, default=126)
+    p.add_argument("--d-model", type=integer, default=16384, help="D, the model width")
+    p.add_argument("--d-ff", type=integer, default=53248, help="F, the FFN's hidden width")
+    p.add_argument("--num-blocks", type=integer, default=126, help="FFN blocks of the XXL model")
     p.add_argument(
         "--batch-size", type=integer, default=4, help="sequences per device for the activation memory"
     )

@@ -2,7 +2,7 @@
 
 Run under the launcher (which records a `skipped` row where the machine lacks the GPUs); rank 0 writes one row per
 (variant, bucket_size_mb, step):
-    python -m cs336_systems.parallel.launch --nproc 2 --backend nccl --out X.csv -- cs336_systems.experiments.ddp_benchmark \
+    python -m cs336_systems.parallel.launch --nproc 2 --backend nccl --out X.csv -- cs336_systems.experiments.ddp_benchmark \\
         --size xl --batch-size 2 --context-length 512 --trace-dir TRACES --timeline-out TIMELINE.csv
 The training step (workload.TrainingStep, AdamW) on `--batch-size` sequences per rank, timed between device
 synchronisations. `step_ms` is the slowest rank's step; `comm_ms` the slowest rank's time blocked in
@@ -44,7 +44,13 @@ BUCKETED = ("bucketed", "torch_ddp")  # the variants run at every bucket size
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     add_distributed_model_args(p)
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=VARIANTS,
+        default=list(VARIANTS),
+        help="the DDP implementations to time",
+    )
     p.add_argument(
         "--bucket-sizes-mb",
         type=cli.positive_float,
@@ -57,11 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--trace-dir", type=Path, help="write a Chrome trace of --trace-steps steps per variant here"
     )
-    p.add_argument("--trace-steps", type=cli.positive_int, default=2)
+    p.add_argument("--trace-steps", type=cli.positive_int, default=2, help="steps per trace (--trace-dir)")
     p.add_argument("--timeline-out", type=Path, help="CSV of the last traced step's intervals per variant")
     args = p.parse_args(argv)
     if args.timeline_out is not None and args.trace_dir is None:
         p.error("--timeline-out needs --trace-dir (the timeline is read from the traces)")
+    cli.require_launcher(p, __name__)
     return args
 
 

@@ -12,7 +12,14 @@ backward and forward + backward, all in one run:
 One row per (impl, dtype, seq_len, d_head, pass) with `ms`, `tflops` (FLOP convention in the sidecar) and
 `status` (ok / OOM / error), plus `max_abs_diff_vs_sdpa`, the largest difference of the implementation's output
 from SDPA's in that cell, and `first_call_s`, the implementation's first forward + backward in that cell
-(synchronised): where the cell needs it, compiling and autotuning. Without CUDA every row is `skipped`.
+(synchronised): where the cell needs it, compiling and autotuning.
+
+Without CUDA our kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, as in the kernels' tests), where a
+time says nothing about them: nothing is timed, and per cell our forward and backward are checked instead against
+SDPA in float64 on the same inputs. One row per (dtype, seq_len, d_head) and pass (`forward`: the output;
+`backward`: the largest of dQ, dK, dV) for `triton` alone, with `interpreted` True, `ms` empty, `rel_err` (max |ours
+- reference| / max |reference|), its bound `tolerance`, `max_abs_diff_vs_sdpa` (the output against SDPA in the
+cell's dtype) and `status` ok (within the bound), mismatch, or error.
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ import torch._functorch.config
 
 from cs336_systems import cli
 from cs336_systems.bench import flash_variants as bench
+from cs336_systems.kernels import triton_interpreter
 from cs336_systems.measure.provenance import write_rows
 from cs336_systems.measure.timing import free_memory
 
 IMPLS = ("triton", "pytorch_naive", "flex", "sdpa", "sdpa_flash", "sdpa_cudnn")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+CHECKED_PASSES = ("forward", "backward")  # off CUDA: what the interpreter checks, per cell
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,15 +46,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--seq-lens", type=cli.positive_int, nargs="+", required=True, help="e.g. 128 256 ... 65536"
     )
-    p.add_argument("--d-heads", type=cli.head_dim, nargs="+", required=True)
-    p.add_argument("--dtypes", nargs="+", required=True, choices=sorted(DTYPES))
-    p.add_argument("--heads", type=cli.positive_int, default=1)
+    p.add_argument(
+        "--d-heads", type=cli.head_dim, nargs="+", required=True, help="head dimensions, e.g. 16 32 64 128"
+    )
+    p.add_argument("--dtypes", nargs="+", required=True, choices=sorted(DTYPES), help="precisions of Q, K, V")
+    p.add_argument("--heads", type=cli.positive_int, default=1, help="attention heads per sequence")
     p.add_argument(
         "--tokens", type=cli.positive_int, help="batch = max(1, tokens // seq_len) (default: batch 1)"
     )
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--impls", nargs="+", choices=IMPLS, default=["triton", "pytorch_naive", "sdpa"])
-    p.add_argument("--passes", nargs="+", choices=bench.PASSES, default=list(bench.PASSES))
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask")
+    p.add_argument(
+        "--impls",
+        nargs="+",
+        choices=IMPLS,
+        default=["triton", "pytorch_naive", "sdpa"],
+        help="implementations to time",
+    )
+    p.add_argument(
+        "--passes",
+        nargs="+",
+        choices=bench.PASSES,
+        default=list(bench.PASSES),
+        help="what is timed per implementation",
+    )
     bench.add_do_bench_args(p, warmup_ms=25, rep_ms=100, note=" per measurement")
     return p.parse_args(argv)
 
@@ -132,15 +155,42 @@ def run_cell(args: argparse.Namespace, dtype_name: str, d_head: int, seq_len: in
     return rows
 
 
+def check_cell(args: argparse.Namespace, dtype_name: str, d_head: int, seq_len: int) -> list[dict]:
+    """Off CUDA: our kernels' forward and backward in the interpreter against the float64 reference (no timing)."""
+    columns = cell_columns(args, dtype_name, d_head, seq_len)
+    dtype = DTYPES[dtype_name]
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (columns["batch_size"], args.heads, seq_len, d_head)
+    q, k, v, do = (torch.randn(*shape, dtype=dtype, generator=generator) for _ in range(4))
+    base = {"impl": "triton", **columns, "ms": None, "interpreted": True}
+    tolerance = bench.CHECK_TOLERANCE[dtype]
+    bench.log("flash", f"triton {dtype_name} {shape} causal={args.causal}: checked in the interpreter ...")
+    try:
+        attend = bench.attention("triton", seq_len, q.device, args.causal)
+        errors = bench.check_against_reference(attend, q, k, v, do, args.causal)
+        expected = bench.sdpa_attention(causal=args.causal)(q, k, v)
+        diff = bench.max_abs_diff(attend, q, k, v, expected)
+    except Exception as exc:  # noqa: BLE001 - a failing cell becomes a row, the sweep goes on
+        failed = bench.failure(exc, "flash")
+        return [{**base, "pass": p, **failed, "tolerance": tolerance} for p in CHECKED_PASSES]
+    return [
+        {
+            **base,
+            "pass": p,
+            "status": "ok" if errors[p] <= tolerance else "mismatch",
+            "rel_err": errors[p],
+            "tolerance": tolerance,
+            "reference": bench.CHECK_REFERENCE,
+            "max_abs_diff_vs_sdpa": diff,
+        }
+        for p in CHECKED_PASSES
+    ]
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     cells = [(dt, d, n) for dt in args.dtypes for d in args.d_heads for n in args.seq_lens]
     if not torch.cuda.is_available():
-        return [
-            {"impl": impl, **cell_columns(args, dt, d, n), "pass": p, **bench.skipped_without_cuda()}
-            for dt, d, n in cells
-            for impl in args.impls
-            for p in args.passes
-        ]
+        return [row for dt, d, n in cells for row in check_cell(args, dt, d, n)]
     # The timed backward reuses one forward's graph (retain_graph), which a compiled backward with donated
     # buffers (FlexAttention's, under torch.compile) refuses: compile without them in this process.
     torch._functorch.config.donated_buffer = False
@@ -153,6 +203,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Off CUDA our kernels run in the interpreter, chosen before anything imports triton (the --d-heads check does).
+    triton_interpreter.use_off_cuda(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     args = parse_args(argv)
     write_rows(run(args), args.out, {**vars(args), "flop_convention": bench.FLOP_CONVENTION})
 

@@ -36,9 +36,9 @@ MEASUREMENTS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__, seed=False)
-    p.add_argument("--heads", type=cli.positive_int, default=16)
-    p.add_argument("--seq-len", type=cli.positive_int, default=16384)
-    p.add_argument("--d-head", type=cli.head_dim, default=64)
+    p.add_argument("--heads", type=cli.positive_int, default=16, help="attention heads (the batch is 1)")
+    p.add_argument("--seq-len", type=cli.positive_int, default=16384, help="tokens per sequence")
+    p.add_argument("--d-head", type=cli.head_dim, default=64, help="head dim (1 to 256)")
     bench.add_do_bench_args(p, warmup_ms=1000, rep_ms=10000, note=" (spec: 1000 and 10000)")
     return p.parse_args(argv)
 

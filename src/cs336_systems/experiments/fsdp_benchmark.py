@@ -50,7 +50,9 @@ from cs336_systems.training import workload
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     add_distributed_model_args(p)
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="the implementations to time"
+    )
     p.add_argument(
         "--compute-dtype",
         choices=list(COMPUTE_DTYPES),
@@ -71,13 +73,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--trace-dir", type=Path, help="write a Chrome trace of --trace-steps steps of ours and fsdp2 here"
     )
-    p.add_argument("--trace-steps", type=cli.positive_int, default=2)
+    p.add_argument("--trace-steps", type=cli.positive_int, default=2, help="steps per trace (--trace-dir)")
     p.add_argument(
         "--timeline-out", type=Path, help="CSV of the last traced step's kernels of ours and fsdp2"
     )
     args = p.parse_args(argv)
     if args.timeline_out is not None and args.trace_dir is None:
         p.error("--timeline-out needs --trace-dir (the timeline is read from the traces)")
+    cli.require_launcher(p, __name__)
     return args
 
 

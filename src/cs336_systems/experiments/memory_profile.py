@@ -36,9 +36,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     cli.add_model_args(p)
     cli.add_device(p)
-    p.add_argument("--context-lengths", type=cli.positive_int, nargs="+", required=True)
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    p.add_argument("--autocast", nargs="+", choices=sorted(workload.AUTOCAST), default=["none", "bf16"])
+    p.add_argument(
+        "--context-lengths", type=cli.positive_int, nargs="+", required=True, help="tokens per sequence"
+    )
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="what a recorded step runs")
+    p.add_argument(
+        "--autocast",
+        nargs="+",
+        choices=sorted(workload.AUTOCAST),
+        default=["none", "bf16"],
+        help="torch.autocast dtypes (none: float32)",
+    )
     p.add_argument("--warmup", type=cli.nonnegative_int, default=1, help="steps before the recorded ones")
     p.add_argument("--steps", type=cli.positive_int, default=1, help="recorded steps")
     p.add_argument("--top", type=cli.positive_int, default=20, help="allocations listed per snapshot")

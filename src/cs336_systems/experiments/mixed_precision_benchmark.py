@@ -25,7 +25,7 @@ AUTOCAST_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
-    p.add_argument("command", choices=["accumulation", "autocast-dtypes"])
+    p.add_argument("command", choices=["accumulation", "autocast-dtypes"], help="what to measure (see above)")
     p.add_argument(
         "--dtypes",
         nargs="+",

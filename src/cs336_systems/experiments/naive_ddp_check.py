@@ -33,7 +33,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--bucket-size-mb", type=cli.positive_float, default=0.0005, help="for the bucketed wrapper (MiB)"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    cli.require_launcher(p, __name__)
+    return args
 
 
 def train_and_compare(

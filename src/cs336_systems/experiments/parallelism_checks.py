@@ -18,8 +18,11 @@ from cs336_systems.parallel.distributed import BACKENDS, distributed, gather_to_
 
 def main(argv: list[str] | None = None) -> None:
     parser = cli.parser(__doc__, seed=False)
-    parser.add_argument("--backend", choices=BACKENDS, required=True)
+    parser.add_argument(
+        "--backend", choices=BACKENDS, required=True, help="the process group's (the launcher passes it)"
+    )
     args = parser.parse_args(argv)
+    cli.require_launcher(parser, __name__)
     with distributed(args.backend) as ctx:
         generator = torch.Generator().manual_seed(1000 + ctx.rank)  # a different input on every rank
         rows = [r for n in (ctx.world_size, 3 * ctx.world_size) for r in ring_collective_rows(n, generator)]

@@ -31,14 +31,32 @@ ATTENTION = {"naive": "naive", "flash": "flash_triton"}  # our name -> the model
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     p.add_argument("--size", choices=list(MODEL_SIZES), required=True, help="d_model and d_ff of this size")
-    p.add_argument("--batch-size", type=cli.positive_int, default=4)
-    p.add_argument("--context-length", type=cli.positive_int, required=True)
+    p.add_argument("--batch-size", type=cli.positive_int, default=4, help="sequences per batch")
+    p.add_argument("--context-length", type=cli.positive_int, required=True, help="tokens per sequence")
     p.add_argument(
         "--heads", type=cli.positive_int, nargs="+", required=True, help="head counts of the block"
     )
-    p.add_argument("--modules", nargs="+", choices=saved_tensors.MODULES, default=list(saved_tensors.MODULES))
-    p.add_argument("--modes", nargs="+", choices=saved_tensors.MODES, default=list(saved_tensors.MODES))
-    p.add_argument("--attention", nargs="+", choices=list(ATTENTION), default=list(ATTENTION))
+    p.add_argument(
+        "--modules",
+        nargs="+",
+        choices=saved_tensors.MODULES,
+        default=list(saved_tensors.MODULES),
+        help="what to run forward",
+    )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=saved_tensors.MODES,
+        default=list(saved_tensors.MODES),
+        help="eager, and/or compiled with torch.compile",
+    )
+    p.add_argument(
+        "--attention",
+        nargs="+",
+        choices=list(ATTENTION),
+        default=list(ATTENTION),
+        help="the block's attention: naive (materialised softmax) or flash (our Triton kernels)",
+    )
     cli.add_device(p)
     args = p.parse_args(argv)
     for heads in args.heads:  # every block must be buildable before any work starts

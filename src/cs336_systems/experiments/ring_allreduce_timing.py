@@ -3,7 +3,7 @@ the alternate one (every device sends its whole input at each of N - 1 steps), b
 (cs336_systems.parallel.ring_collectives), beside the ratio their bandwidth-only times predict (cs336_systems.accounting.parallelism:
 alternate / ring = N / 2).
 
-    python -m cs336_systems.parallel.launch --nproc 4 --backend gloo --out X.csv -- \
+    python -m cs336_systems.parallel.launch --nproc 4 --backend gloo --out X.csv -- \\
         cs336_systems.experiments.ring_allreduce_timing --sizes-mb 0.01 1 16
 
 Every timed iteration starts from a barrier; its time is the slowest rank's. Rows (rank 0), one per size and
@@ -34,13 +34,17 @@ ALGORITHMS = {"ring": ring_all_reduce, "alternate": alternate_all_reduce}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = cli.parser(__doc__, seed=False)
-    parser.add_argument("--backend", choices=BACKENDS, required=True)
+    parser.add_argument(
+        "--backend", choices=BACKENDS, required=True, help="the process group's (the launcher passes it)"
+    )
     parser.add_argument(
         "--sizes-mb", type=cli.positive_float, nargs="+", default=[0.01, 1, 16], help="in MiB"
     )
     parser.add_argument("--warmup", type=cli.nonnegative_int, default=2, help="untimed iterations per cell")
     parser.add_argument("--iters", type=cli.positive_int, default=10, help="timed iterations per cell")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    cli.require_launcher(parser, __name__)
+    return args
 
 
 def predicted_ratio(world_size: int) -> float:

@@ -2,7 +2,7 @@
 
 Run under the launcher (which records a `skipped` row where the machine lacks the GPUs); rank 0 writes every
 rank's rows:
-    python -m cs336_systems.parallel.launch --nproc 2 --backend nccl --out X.csv -- \
+    python -m cs336_systems.parallel.launch --nproc 2 --backend nccl --out X.csv -- \\
         cs336_systems.experiments.sharding_benchmark --size xl --batch-size 2 --context-length 512
 Variants: `unsharded` (torch.optim.AdamW), `sharded` (our ShardedOptimizer over AdamW) and `zero` (PyTorch's
 ZeroRedundancyOptimizer over AdamW); FlatDDP averages the gradients (one flat all-reduce). An iteration is the
@@ -51,13 +51,17 @@ VARIANTS = ("unsharded", "sharded", "zero")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
     add_distributed_model_args(p)
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument(
+        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="the optimizers to measure"
+    )
     p.add_argument(
         "--warmup", type=cli.positive_int, default=5, help="untimed iterations per variant (create state)"
     )
     p.add_argument("--steps", type=cli.positive_int, default=10, help="timed iterations per variant")
-    p.add_argument("--lr", type=cli.positive_float, default=1e-4)
-    return p.parse_args(argv)
+    p.add_argument("--lr", type=cli.positive_float, default=1e-4, help="AdamW's learning rate")
+    args = p.parse_args(argv)
+    cli.require_launcher(p, __name__)
+    return args
 
 
 def make_optimizer(variant: str, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:

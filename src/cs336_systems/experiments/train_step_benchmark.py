@@ -1,6 +1,6 @@
 """The 2026 leaderboard's training step (§9) by stack and depth: step time, peak memory and MFU.
 
-    python -m cs336_systems.experiments.train_step_benchmark --num-layers 2 4 8 --stacks plain native ours \
+    python -m cs336_systems.experiments.train_step_benchmark --num-layers 2 4 8 --stacks plain native ours \\
         --out results/gpu/train_step/one_gpu.csv
 
 Defaults are the leaderboard's model (d_model 4096, d_ff 11,008, 32 heads, vocabulary 151,936, context 32,768) in
@@ -19,7 +19,7 @@ cs336_systems.training.stacks.COMPONENTS).
 
 The sharded stacks (`*_fsdp`) run under the launcher, one rank per GPU, each rank on its own `--batch-size`
 sequences (the leaderboard: 2 GPUs x 1 sequence):
-    python -m cs336_systems.parallel.launch --nproc 2 --backend nccl --out X.csv -- \
+    python -m cs336_systems.parallel.launch --nproc 2 --backend nccl --out X.csv -- \\
         cs336_systems.experiments.train_step_benchmark --num-layers 34 --stacks native_fsdp ours_fsdp
 There `do_bench` (whose step count depends on each rank's own estimate) would let the ranks run different
 numbers of collectives, so every rank runs `--warmup-steps` then `--steps` steps, synchronised after each; a
@@ -55,17 +55,34 @@ from cs336_systems.bench.stack_timing import cell_row, compile_caches, fit_rows,
 from cs336_systems.kernels import triton_interpreter
 from cs336_systems.measure.provenance import write_rows
 from cs336_systems.measure.timing import or_oom, resolve_device
-from cs336_systems.parallel.distributed import BACKENDS, distributed
+from cs336_systems.parallel.distributed import BACKENDS, distributed, how_to_launch
 from cs336_systems.training.stacks import DTYPES, LEADERBOARD, STACKS, peak_tflops
+
+# The model's dimensions (flags of the same names), the leaderboard's by default
+DIMENSIONS = {
+    "d_model": "the model width",
+    "d_ff": "the FFN's hidden width",
+    "num_heads": "attention heads (d_model / num_heads: an even head dim)",
+    "vocab_size": "vocabulary size",
+    "context_length": "tokens per sequence",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
-    for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=cli.positive_int, default=LEADERBOARD[name])
+    for name, meaning in DIMENSIONS.items():
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=cli.positive_int, default=LEADERBOARD[name], help=meaning
+        )
     p.add_argument("--num-layers", type=cli.positive_int, nargs="+", required=True, help="depths to measure")
     p.add_argument("--batch-size", type=cli.positive_int, default=1, help="sequences per step (on this GPU)")
-    p.add_argument("--stacks", nargs="+", choices=list(STACKS), default=["plain", "native", "ours"])
+    p.add_argument(
+        "--stacks",
+        nargs="+",
+        choices=list(STACKS),
+        default=["plain", "native", "ours"],
+        help="the stacks to measure (cs336_systems.training.stacks; *_fsdp: under the launcher)",
+    )
     p.add_argument(
         "--dtype",
         choices=list(DTYPES),
@@ -85,7 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--warmup-steps", type=cli.positive_int, default=1, help="CPU or several ranks: warm-up steps"
     )
-    p.add_argument("--extrapolate-layers", type=cli.positive_int, default=LEADERBOARD["num_layers"])
+    p.add_argument(
+        "--extrapolate-layers",
+        type=cli.positive_int,
+        default=LEADERBOARD["num_layers"],
+        help="depth the fit extrapolates to (the leaderboard's)",
+    )
     p.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -110,9 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stacks and --num-layers list each value once")
     sharded = [s for s in args.stacks if STACKS[s].sharding != "none"]
     if sharded and "WORLD_SIZE" not in os.environ:
-        p.error(
-            f"--stacks {' '.join(sharded)} shard over ranks: run under python -m cs336_systems.parallel.launch --nproc N"
-        )
+        p.error(f"--stacks {' '.join(sharded)} shard over ranks: {how_to_launch(__name__)}")
     if len(sharded) < len(args.stacks) and "WORLD_SIZE" in os.environ:
         p.error(
             f"--stacks {' '.join(s for s in args.stacks if s not in sharded)} run on one GPU: do not launch "

@@ -1,6 +1,6 @@
 """Does every one-device stack of the leaderboard's step train the model as the plain one does? (2026 §9)
 
-    python -m cs336_systems.experiments.train_step_check --stacks native ours --dtype bfloat16 \
+    python -m cs336_systems.experiments.train_step_check --stacks native ours --dtype bfloat16 \\
         --out results/gpu/train_step_check/check.csv
 
 On a small model (odd vocabulary and context, so our kernels' ragged tiles run), every stack starts from the same
@@ -32,19 +32,30 @@ ONE_DEVICE = [s for s, stack in STACKS.items() if stack.sharding == "none"]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__)
-    for name, default in (
-        ("d_model", 256),
-        ("d_ff", 688),
-        ("num_heads", 2),
-        ("num_layers", 2),
-        ("vocab_size", 1009),
-        ("context_length", 515),
-        ("batch_size", 2),
-        ("steps", 20),
+    for name, default, meaning in (
+        ("d_model", 256, "the model width"),
+        ("d_ff", 688, "the FFN's hidden width"),
+        ("num_heads", 2, "attention heads (d_model / num_heads: an even head dim)"),
+        ("num_layers", 2, "Transformer blocks"),
+        ("vocab_size", 1009, "vocabulary size"),
+        ("context_length", 515, "tokens per sequence"),
+        ("batch_size", 2, "sequences per step"),
+        ("steps", 20, "AdamW steps each stack takes"),
     ):
-        p.add_argument(f"--{name.replace('_', '-')}", type=cli.positive_int, default=default)
-    p.add_argument("--stacks", nargs="+", choices=[s for s in ONE_DEVICE if s != "plain"], required=True)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+        p.add_argument(f"--{name.replace('_', '-')}", type=cli.positive_int, default=default, help=meaning)
+    p.add_argument(
+        "--stacks",
+        nargs="+",
+        choices=[s for s in ONE_DEVICE if s != "plain"],
+        required=True,
+        help="the stacks to check against the plain model",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="bfloat16",
+        help="the stacks' dtype (the reference's: float32)",
+    )
     p.add_argument("--head-chunk", type=cli.positive_int, default=256, help="tokens per LM-head chunk")
     p.add_argument("--no-compile", action="store_true", help="run every stack's blocks eagerly")
     p.add_argument(

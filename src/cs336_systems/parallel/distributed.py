@@ -1,8 +1,8 @@
 """Process-group setup from torchrun's environment, fail-fast error handling, and gathering results to rank 0.
 
-Launch every multi-process entry point through the real launcher, which picks a free port:
-    python -m torch.distributed.run --standalone --nproc-per-node N -m cs336_systems.experiments.<name> ...
-(or torchrun under SLURM, which sets the same env:// variables).
+Launch every multi-process entry point through the launcher (`how_to_launch`), which runs torchrun on a free port
+(or torchrun itself, or under SLURM, which set the same env:// variables):
+    python -m cs336_systems.parallel.launch --nproc N --backend gloo --out X.csv -- cs336_systems.experiments.<name> ...
 """
 
 from __future__ import annotations
@@ -51,6 +51,23 @@ class DistContext:
         return self.rank == 0
 
 
+def launched() -> bool:
+    """Whether this process is a rank that a launcher started (torchrun's env:// variables are set)."""
+    return all(name in os.environ for name in _LAUNCHER_VARIABLES)
+
+
+def how_to_launch(module: str | None = None) -> str:
+    """How to start `module` (a CLI that runs as ranks of a process group; default, or `__main__`: the module
+    `python -m` runs), in one line."""
+    if module in (None, "__main__"):
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        module = spec.name if spec else "cs336_systems.experiments.<name>"
+    return (
+        f"start it with python -m cs336_systems.parallel.launch --nproc N --backend gloo|nccl --out X.csv -- "
+        f"{module} [flags]"
+    )
+
+
 def gpus_available() -> int:
     """Number of CUDA devices this machine exposes (0 on a CPU-only build or machine)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -64,10 +81,7 @@ def setup_distributed(backend: str | None = None, timeout_s: float = 300.0) -> D
     """
     missing = [name for name in _LAUNCHER_VARIABLES if name not in os.environ]
     if missing:
-        raise RuntimeError(
-            f"missing launcher environment variables {missing}: start this program with "
-            "'python -m torch.distributed.run --standalone --nproc-per-node N ...' (or torchrun)"
-        )
+        raise RuntimeError(f"missing launcher environment variables {missing}: {how_to_launch()}")
     if backend is None:
         backend = "nccl" if gpus_available() > 0 else "gloo"
     if backend not in BACKENDS:
@@ -94,8 +108,12 @@ def distributed(backend: str | None = None, timeout_s: float = 300.0) -> Iterato
     """Set up the process group, yield its context, and tear it down.
 
     If this rank raises, the error is printed with the rank's number and the process exits at once with
-    status 1: torchrun then stops the other ranks, which would otherwise wait in their next collective.
+    status 1: torchrun then stops the other ranks, which would otherwise wait in their next collective. Started
+    without a launcher, it says how to start it and exits with status 2.
     """
+    if not launched():  # nothing has started yet: one line, no traceback
+        print(f"error: this runs as the ranks of a process group: {how_to_launch()}", file=sys.stderr)
+        sys.exit(2)
     rank = os.environ.get("RANK", "?")
     try:
         ctx = setup_distributed(backend, timeout_s)

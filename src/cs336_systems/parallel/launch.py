@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
         "--rdzv-endpoint", metavar="HOST:PORT", help="several nodes: where they meet (default: SLURM's)"
     )
     p.add_argument("--rdzv-id", help="several nodes: the job's rendezvous id (default: SLURM_JOB_ID)")
-    p.add_argument("--backend", choices=BACKENDS, required=True)
+    p.add_argument(
+        "--backend", choices=BACKENDS, required=True, help="the process group's (nccl: one GPU per process)"
+    )
     p.add_argument(
         "--also",
         action="append",

@@ -66,16 +66,18 @@ class Context:
             return None
         return pd.concat([f for f, _ in found], ignore_index=True), [m for _, m in found]
 
-    def require(self, deliverable: str, what: str) -> Found:
+    def require(self, deliverable: str, what: str, off_gpu: str | None = None) -> Found:
         """The deliverable's table and provenances, which the calling part of the writeup cannot do without: raises
-        NotRun when `what` has no results in this run, or when every row says it was skipped."""
+        NotRun when `what` has no results in this run, or when every row says it was skipped. For a measurement
+        only a GPU can make, `off_gpu` says what a run without one did instead, in place of the rows' reason."""
         found = self.table(deliverable)
         if found is None:
             raise NotRun(not_run(what))
         frame, metas = found
         reason = skipped_reason(frame)
         if reason:
-            raise NotRun(f"{provenance_line(metas)}\n\n{not_measured(reason)}")
+            shown = off_gpu if off_gpu and not on_gpu(metas) else reason
+            raise NotRun(f"{provenance_line(metas)}\n\n{not_measured(shown)}")
         return found
 
     def figure(self, fig: plt.Figure, name: str, alt: str) -> str:
@@ -93,6 +95,11 @@ def skipped_reason(frame: pd.DataFrame) -> str | None:
         reasons = frame.get("reason", pd.Series(["not run"])).dropna().unique()
         return "; ".join(map(str, reasons)) or "not run"
     return None
+
+
+def on_gpu(metas: list[dict[str, Any]]) -> bool:
+    """Whether the tables of these provenances were made with a GPU (a CPU run's record no CUDA device)."""
+    return bool(metas) and all(meta["provenance"].get("device_count") for meta in metas)
 
 
 MODEL_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff")

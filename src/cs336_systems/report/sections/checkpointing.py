@@ -37,10 +37,17 @@ def render(ctx: Context) -> str:
         f"Model {p['size']} (d_model {p['d_model']}, d_ff {p['d_ff']}, {p['num_layers']} blocks), batch {p['batch_size']}, "
         f"context {p['context_length']}, {p['attention']} attention; per cell a fresh model with the policy as "
         f"`ModelConfig.checkpoint` (`torch.utils.checkpoint`, non-reentrant), {p['warmup']} warm-up train step(s), "
-        f"one step measured for memory, the median of {p['steps']} timed steps, and the bytes one forward saves for "
-        "backward (saved-tensor hooks plus selective checkpointing's cached outputs, each storage once). Peak = "
-        "`torch.cuda.max_memory_allocated` before the optimizer step (reset per cell); activations = peak − memory "
-        "with the gradients freed (weights + AdamW state); predicted = the residual model "
+        + ("one step measured for memory, " if on_cuda else "")
+        + f"the median of {p['steps']} timed steps, and the bytes one forward saves for "
+        "backward (saved-tensor hooks plus selective checkpointing's cached outputs, each storage once). "
+        + (
+            "Peak = `torch.cuda.max_memory_allocated` before the optimizer step (reset per cell); activations = "
+            "peak − memory with the gradients freed (weights + AdamW state); "
+            if on_cuda
+            else ""
+        )
+        + ("predicted" if on_cuda else "Predicted")
+        + " = the residual model "
         "(`cs336_systems.model.checkpointing.predicted_peak`: R bytes saved per block, checkpoints of c bytes, gradients "
         "of w bytes per block appearing as backward runs) from one block's measured R, c and w.",
         "",
@@ -61,7 +68,7 @@ def render(ctx: Context) -> str:
     for autocast in [a for a in ("none", "bf16", "fp16") if a in set(cells["autocast"])]:
         block = blocks[blocks["autocast"] == autocast].iloc[0]
         table = checkpointing_cells(cells[cells["autocast"] == autocast], block)
-        out += [f"### {PRECISION[autocast]}", "", policy_section(ctx, table, block, autocast, on_cuda), ""]
+        out += [f"### {PRECISION[autocast]}", "", policy_section(ctx, table, block, autocast, on_cuda, p), ""]
     out += [
         "### (a) The memory-optimal strategy: nested checkpointing",
         "",
@@ -101,8 +108,12 @@ def policy_table(table: pd.DataFrame, on_cuda: bool) -> tuple[str, str | None]:
     return text_md(shown.astype(str)), baseline[0] if baseline else None
 
 
-def policy_section(ctx: Context, table: pd.DataFrame, block: pd.Series, autocast: str, on_cuda: bool) -> str:
+def policy_section(
+    ctx: Context, table: pd.DataFrame, block: pd.Series, autocast: str, on_cuda: bool, params: dict
+) -> str:
     text, _ = policy_table(table, on_cuda)
+    if not on_cuda:
+        text += "\n\n" + saved_against_predicted(table, block, params)
     n = int(block["num_layers"])
     r, c, w = (block[k] / MIB for k in ("residual_bytes", "checkpoint_bytes", "grad_bytes_per_block"))
     optimum = analytic_optimum(block)
@@ -116,6 +127,41 @@ def policy_section(ctx: Context, table: pd.DataFrame, block: pd.Series, autocast
         sentences += best_k_sentences(table, optimum) + selective_sentences(table)
     figure = policy_figure(ctx, table, n, autocast, on_cuda)
     return "\n\n".join([text, " ".join(sentences), figure])
+
+
+def saved_against_predicted(table: pd.DataFrame, block: pd.Series, params: dict) -> str:
+    """Why saved for backward and predicted differ (shown where they stand side by side without a peak): what
+    `checkpointing.saved_bytes` counts over the whole model's forward against what `predicted_peak` models."""
+    text = (
+        "**Saved for backward and predicted count different things.** *Saved for backward* is what one forward of "
+        "the whole model holds for backward when it ends, before any backward has run: every tensor autograd saves "
+        "in the embedding, the blocks, the final norm, the LM head and the loss, and selective checkpointing's "
+        "cached outputs, each storage once; no gradients. Parameters are left out, but our Linear layers save their "
+        "weight as a transposed view, which is counted: a block's R includes its weights, and the whole model's "
+        "count includes the LM head's. *Predicted* is the residual model's peak during backward for the blocks alone: the "
+        "checkpoints and recomputed residuals still held (from one block's R and c) plus the gradients of the "
+        "blocks whose backward has already run (w each); nothing outside the blocks."
+    )
+    none = table[(table["policy"] == "none") & (table["status"] == "ok")]
+    if len(none) and pd.notna(none["saved_mib"].iloc[0]):
+        n, r = int(block["num_layers"]), block["residual_bytes"] / MIB
+        outside = none["saved_mib"].iloc[0] - n * r
+        p = params
+        loss = (
+            f" (mostly the loss's batch × context × vocabulary float32 log-softmax, "
+            f"{p['batch_size'] * p['context_length'] * p['vocab_size'] * 4 / MIB:,.1f} MiB, and the LM head's weight)"
+            if {"batch_size", "context_length", "vocab_size"} <= set(p)
+            else ""
+        )
+        text += (
+            f" Without checkpointing, saved for backward − N × R = {none['saved_mib'].iloc[0]:,.2f} − {n} × "
+            f"{r:,.3f} = {outside:,.2f} MiB lies outside the blocks{loss}, the same under every policy; the "
+            f"predicted peak instead adds the gradients of up to N − 1 = {n - 1} block(s), "
+            f"{block['grad_bytes_per_block'] / MIB:,.2f} "
+            "MiB each, which saved for backward never holds. Compare each column down the policies, not one with "
+            "the other."
+        )
+    return text
 
 
 def best_k_sentences(table: pd.DataFrame, optimum: dict) -> list[str]:
@@ -269,7 +315,8 @@ def depth_study(ctx: Context) -> str:
     what = (
         "activations = peak − weights and AdamW state"
         if column != "saved_mib"
-        else "bytes saved for backward in one forward (memory is measured on CUDA only)"
+        else "bytes saved for backward in one forward, which counts other things than predicted does (see "
+        "above), as memory is measured on CUDA only"
     )
     text = [
         provenance_line(metas),

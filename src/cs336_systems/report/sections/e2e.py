@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.ticker import LogFormatter, NullLocator
 
 from cs336_systems.report.analysis import fewest_sufficient, step_stats
-from cs336_systems.report.context import Context, model_order, reason_if_not_run
+from cs336_systems.report.context import Context, model_order, on_gpu, reason_if_not_run
 from cs336_systems.report.formatting import MODE_LABEL, md, provenance_line
 
 
@@ -31,8 +32,13 @@ def render(ctx: Context) -> str:
     out = [
         provenance_line(metas),
         f"Batch size {frame['batch_size'].iloc[0]}, {warm} warm-up steps, {steps} timed steps, fp32, "
-        "`torch.cuda.synchronize()` after every step; mean ± standard deviation in milliseconds. "
-        "`forward` is inference (no autograd graph).",
+        + (
+            "`torch.cuda.synchronize()` after every step"
+            if on_cuda(metas)
+            else "on the CPU, where an operation has finished when it returns, so nothing is synchronised and a "
+            "step's time is the wall-clock time of its call (`timeit.default_timer`)"
+        )
+        + "; mean ± standard deviation in milliseconds. `forward` is inference (no autograd graph).",
         "",
         md(table.reset_index()),
         "",
@@ -43,6 +49,12 @@ def render(ctx: Context) -> str:
         warmup_study(ctx),
     ]
     return "\n".join(out)
+
+
+def on_cuda(metas: list[dict]) -> bool:
+    """Whether the benchmark ran on CUDA: its --device, or where that was `auto`, the machine's GPUs."""
+    device = str(metas[0]["params"].get("device", "auto"))
+    return device.startswith("cuda") or (device == "auto" and on_gpu(metas))
 
 
 def findings(stats: pd.DataFrame, order: list[str]) -> str:
@@ -98,8 +110,14 @@ def plot(stats: pd.DataFrame, order: list[str]) -> plt.Figure:
             rows = ok[(ok["mode"] == mode) & (ok["size"] == size)].sort_values("context_length")
             ax.errorbar(rows["context_length"], rows["mean_ms"], yerr=rows["std_ms"], marker="o", label=size)
         ax.set(title=MODE_LABEL[mode], xlabel="context length", xscale="log", yscale="log")
+        # Plain numbers at the measured lengths only: a log axis would also label its minor ticks (6×10¹, ...),
+        # which collide with these within a decade.
         ax.set_xticks(sorted(ok["context_length"].unique()), labels=sorted(ok["context_length"].unique()))
+        ax.xaxis.set_minor_locator(NullLocator())
     axes[0][0].set_ylabel("ms per step")
+    # Plain numbers on the shared log y-axis too (20, 30, ... within a decade, 10, 100, ... across decades).
+    axes[0][0].yaxis.set_major_formatter(LogFormatter())
+    axes[0][0].yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
     axes[0][-1].legend(title="size", fontsize=8)
     return fig
 

@@ -10,6 +10,12 @@ import pandas as pd
 
 from cs336_systems.report.context import Context, reason_if_not_run
 from cs336_systems.report.formatting import md, provenance_line, text_md
+from cs336_systems.report.sections.flash import (
+    CHECKED_ABOVE,
+    INTERPRETED_ONLY,
+    interpreted,
+    interpreted_checks,
+)
 
 PEERS = {"triton": "ours", "sdpa_cudnn": "cuDNN", "sdpa_flash": "SDPA flash", "flex": "FlexAttention"}
 PASSES = {"forward": "forward", "backward": "backward", "forward_backward": "fwd+bwd"}
@@ -34,6 +40,8 @@ def mask(causal: bool) -> str:
 @reason_if_not_run
 def peers(ctx: Context) -> str:
     frame, metas = ctx.require("flash_peers", "The comparison with PyTorch's fastest attention")
+    if interpreted(frame):
+        return interpreted_peers(frame, metas)
     ok = frame[frame["status"] == "ok"]
     wide = ok.pivot_table(
         index=["causal", "d_head", "seq_len", "batch_size", "pass"], columns="impl", values="ms"
@@ -63,6 +71,19 @@ def peers(ctx: Context) -> str:
         ]
     out += ["", peer_findings(wide, ok), "", ctx.figure(ratio_figure(wide), f"flash_peers_{ctx.run}", ALT)]
     return "\n".join(out)
+
+
+def interpreted_peers(frame: pd.DataFrame, metas: list[dict]) -> str:
+    """A run without CUDA: our kernels checked at this comparison's shapes; the peers are GPU kernels."""
+    p = metas[0]["params"]
+    batch = f"batch = {p['tokens']:,} tokens / sequence length" if p.get("tokens") else "batch 1"
+    others = [PEERS[i] for i in p.get("impls", []) if i != "triton" and i in PEERS]
+    text = interpreted_checks(
+        frame, metas, f"Our kernels at this comparison's shapes ({p['heads']} heads, {batch})"
+    )
+    if others:
+        text += f"\n\nWhat ours is timed against ({', '.join(others)}) runs on a GPU only: not run here."
+    return text
 
 
 def pass_order(column: pd.Series) -> pd.Series:
@@ -185,7 +206,11 @@ PROFILE_COLUMNS = {
 
 @reason_if_not_run
 def kernel_profile(ctx: Context) -> str:
-    frame, metas = ctx.require("flash_ncu", "The Nsight Compute profile")
+    frame, metas = ctx.require(
+        "flash_ncu",
+        "The Nsight Compute profile",
+        off_gpu=f"Nsight Compute profiles kernels on an NVIDIA GPU, and {INTERPRETED_ONLY}; {CHECKED_ABOVE}",
+    )
     ok = frame[frame["status"] == "ok"].copy()
     out = [provenance_line(metas), ""]
     if ok.empty:

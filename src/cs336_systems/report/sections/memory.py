@@ -22,6 +22,21 @@ def render(ctx: Context) -> str:
     params = metas[0]["params"]
     peaks = frame[frame["record"] == "peak"]
     residual = frame[frame["record"] == "residual_activation"]
+    reason = skipped_reason(peaks) if len(peaks) else "no peak rows"
+    if reason:  # nothing was recorded: say what would have been
+        return "\n".join(
+            [
+                provenance_line(metas),
+                f"Model {params['size']}, batch size {params['batch_size']}. (a)–(c) and (e) read the snapshots and "
+                "peaks of CUDA's caching allocator, recorded on a GPU only; (d) is arithmetic.",
+                "",
+                f"(a)–(c), (e): {not_measured(reason)}",
+                "",
+                "### (d) One residual-stream activation",
+                "",
+                residual_stream(residual),
+            ]
+        )
     out = [
         provenance_line(metas),
         f"Model {params['size']}, batch size {params['batch_size']}; per cell {params['warmup']} warm-up step(s) "
@@ -30,16 +45,6 @@ def render(ctx: Context) -> str:
         f"(`results/{ctx.run}/memory_snapshots/*.pickle`, open in https://pytorch.org/memory_viz) are not committed.",
         "",
     ]
-    reason = skipped_reason(peaks) if len(peaks) else "no peak rows"
-    if reason:
-        out += [
-            f"(a)–(c), (e): {not_measured(reason)}",
-            "",
-            "### (d) One residual-stream activation",
-            "",
-            residual_stream(residual),
-        ]
-        return "\n".join(out)
     ok = peaks[peaks["status"] == "ok"]
     parameter_mib = num_parameters(params) * 4 / MIB
     out += [

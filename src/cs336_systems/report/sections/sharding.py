@@ -94,8 +94,13 @@ def memory(frame: pd.DataFrame, n: int) -> str:
     out = [
         "Rank 0. *Predicted*: parameters, gradients and AdamW state (`accounting.training_state_memory`; ours "
         "with its own partition of whole tensors, PyTorch's at the ideal 1/n). *Measured*: "
-        "`torch.cuda.memory_allocated` at the end of each phase and `max_memory_allocated` during it (the peak "
-        "is reset between phases). *Peak − predicted* is what the breakdown does not name: the activations saved "
+        + (
+            "`torch.cuda.memory_allocated` at the end of each phase and `max_memory_allocated` during it (the peak "
+            "is reset between phases)."
+            if measured
+            else "on a GPU, the CUDA allocator's allocated bytes at the end of each phase and its peak during it."
+        )
+        + " *Peak − predicted* is what the breakdown does not name: the activations saved "
         "for backward (after forward + backward), the flat gradient copy of the all-reduce (before the step) and "
         "the step's temporaries (after the step).",
         "",
