@@ -180,9 +180,12 @@ def _config_problems():
     """(key path, message) of every value that the CLIs would reject against another value, in every run."""
     problems = [problem for name, run in config["runs"].items() for problem in _run_problems(name, run)]
     shapes = _strategy_check_shapes()
-    for n in config["parallelism"]["check_world_sizes"]:
+    checked = [(["parallelism", "check_world_sizes"], n) for n in config["parallelism"]["check_world_sizes"]]
+    checked += [(["runs", name, "parallelism_world_sizes", "checks"], n) for name, run in config["runs"].items()
+                for n in run.get("parallelism_world_sizes", {}).get("checks", [])]
+    for path, n in checked:
         if any(dim % n for shape in shapes for dim in shape):
-            problems.append((["parallelism", "check_world_sizes"],
+            problems.append((path,
                              f"{n} does not divide every dimension of the FFNs the check shards "
                              f"{', '.join('x'.join(map(str, s)) for s in shapes)} (B x D x D_FF, "
                              f"cs336_systems.bench.strategy_checks.FFN_SHAPES)"))

@@ -4,6 +4,10 @@ import shlex
 
 PARALLELISM = config["parallelism"]
 TIMING = PARALLELISM["timing"]
+# The world sizes of the timing and the checks: the run's own where it names them (the smoke run's are fewer).
+RUN_WORLD_SIZES = R.get("parallelism_world_sizes", {})
+TIMING_WORLD_SIZES = RUN_WORLD_SIZES.get("timing", TIMING["world_sizes"])
+CHECK_WORLD_SIZES = RUN_WORLD_SIZES.get("checks", PARALLELISM["check_world_sizes"])
 RING_TIMING_CSV = f"{RESULTS}/parallelism_timing/n{{world_size}}.csv"
 CHECKS_CSV = f"{RESULTS}/parallelism_checks/n{{world_size}}.csv"
 
@@ -79,5 +83,5 @@ use rule launch_ranks as parallelism_checks with:
 
 
 WRITEUP_INPUTS += [f"{RESULTS}/parallelism/answers.csv",
-                   *(RING_TIMING_CSV.format(world_size=n) for n in TIMING["world_sizes"]),
-                   *(CHECKS_CSV.format(world_size=n) for n in PARALLELISM["check_world_sizes"])]
+                   *(RING_TIMING_CSV.format(world_size=n) for n in TIMING_WORLD_SIZES),
+                   *(CHECKS_CSV.format(world_size=n) for n in CHECK_WORLD_SIZES)]
