@@ -12,8 +12,6 @@ REPORT_CODE += code(*(m for m in REPORT_MODULES if not m.startswith("report/")))
 
 
 rule writeup:
-    message:
-        "the writeup of run {params.run} -> {output.run}"
     input:
         WRITEUP_INPUTS,
         REPORT_CODE,

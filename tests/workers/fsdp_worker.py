@@ -290,37 +290,43 @@ def prefetch_rule() -> None:
     check_prefetch_rule(fsdp, forward, backward)
 
 
-def block_units() -> None:
+def block_units(exact: bool = False) -> None:
     """Transformer blocks as units (as the leaderboard's train step shards its compiled blocks): fp32 training
     equals single-process training, a block's weights are gathered together, and the prefetch rule holds by
-    unit."""
+    unit. In exact mode (each block over the whole batch, the final norm its own call) it equals it to the bit at
+    a power-of-two world size (else up to the order of additions: the per-rank mean)."""
     from cs336_systems.model.transformer import ModelConfig, TransformerLM
 
     cfg = ModelConfig.from_name("tiny", vocab_size=61, context_length=8)
     torch.manual_seed(0)
     model = TransformerLM(cfg)
     reference = copy.deepcopy(model)
-    fsdp = FullyShardedDataParallel(model, units=model.blocks)
+    fsdp = FullyShardedDataParallel(model, units=model.blocks, exact=exact)
     assert [unit for unit, _ in fsdp.units] == [model.embedding, *model.blocks, model.lm_head], fsdp.units
     assert all(len(indices) == 5 for _, indices in fsdp.units[1:-1]), "qkv, out, w1, w2, w3 per block"
+    assert not exact or fsdp.replicated_modules == [model.final_norm], fsdp.replicated_modules
     # SGD: AdamW turns a rounding-sized gradient difference near zero into a step of lr (as compute_dtype says)
     optimizer = OPTIMIZERS["sgd"](fsdp.parameters())
     reference_optimizer = OPTIMIZERS["sgd"](reference.parameters())
     world, rank = dist.get_world_size(), dist.get_rank()
+    label = "exact blocks" if exact else "block units"
     g = torch.Generator().manual_seed(7)
     for step in range(3):
         ids = torch.randint(61, (4 * world, 8), generator=g)
         mine = ids[rank * 4 : (rank + 1) * 4]
         optimizer.zero_grad(set_to_none=True)
         forward, backward = recorded_step(fsdp, mine[:, :-1], mine[:, 1:])
-        check_gradients(fsdp, f"block units step {step}")
+        check_gradients(fsdp, f"{label} step {step}")
         optimizer.step()
         reference_optimizer.zero_grad(set_to_none=True)
         loss_fn(reference(ids[:, :-1]), ids[:, 1:]).backward()
         reference_optimizer.step()
         full = fsdp.gather_full_params()
         for name, p in reference.named_parameters():
-            assert_fp32_equal(full[name], p.detach(), f"block units step {step}: {name}")
+            if exact and power_of_two(world):
+                assert torch.equal(full[name], p), f"{label} step {step}: {name} not bitwise equal"
+            else:
+                assert_fp32_equal(full[name], p.detach(), f"{label} step {step}: {name}")
     check_prefetch_rule(fsdp, forward, backward)
     try:
         FullyShardedDataParallel(copy.deepcopy(reference), units=[model.blocks[0]])
@@ -386,42 +392,6 @@ def our_transformer() -> None:
         full = fsdp.gather_full_params()
         for name, p in reference.named_parameters():
             assert_fp32_equal(full[name], p.detach(), f"TransformerLM step {step}: {name}")
-
-
-def exact_transformer() -> None:
-    """Exact mode on our Transformer with its blocks as units (each block over the whole batch, the embedding
-    and head their own units, the final norm its own call): training equals single-process training to the bit
-    at a power-of-two world size (else up to the order of additions: the per-rank mean), and the prefetch rule
-    holds as in the usual mode."""
-    from cs336_systems.model.transformer import ModelConfig, TransformerLM
-
-    cfg = ModelConfig.from_name("tiny", vocab_size=61, context_length=8)
-    torch.manual_seed(0)
-    model = TransformerLM(cfg)
-    reference = copy.deepcopy(model)
-    fsdp = FullyShardedDataParallel(model, units=model.blocks, exact=True)
-    assert fsdp.replicated_modules == [model.final_norm], fsdp.replicated_modules
-    optimizer = OPTIMIZERS["sgd"](fsdp.parameters())
-    reference_optimizer = OPTIMIZERS["sgd"](reference.parameters())
-    world, rank = dist.get_world_size(), dist.get_rank()
-    g = torch.Generator().manual_seed(7)
-    for step in range(3):
-        ids = torch.randint(61, (4 * world, 8), generator=g)
-        mine = ids[rank * 4 : (rank + 1) * 4]
-        optimizer.zero_grad(set_to_none=True)
-        forward, backward = recorded_step(fsdp, mine[:, :-1], mine[:, 1:])
-        check_gradients(fsdp, f"exact blocks step {step}")
-        optimizer.step()
-        reference_optimizer.zero_grad(set_to_none=True)
-        loss_fn(reference(ids[:, :-1]), ids[:, 1:]).backward()
-        reference_optimizer.step()
-        full = fsdp.gather_full_params()
-        for name, p in reference.named_parameters():
-            if power_of_two(world):
-                assert torch.equal(full[name], p), f"exact blocks step {step}: {name} not bitwise equal"
-            else:
-                assert_fp32_equal(full[name], p.detach(), f"exact blocks step {step}: {name}")
-    check_prefetch_rule(fsdp, forward, backward)
 
 
 def exact_refusals() -> None:
@@ -637,7 +607,7 @@ CASES = {
         protocol("sgd", torch.bfloat16, 1e-4),
     ),
     "torch_nn_bf16": torch_nn_bf16,
-    "exact_transformer": exact_transformer,
+    "exact_transformer": lambda: block_units(exact=True),
     "exact_refusals": exact_refusals,
 }
 
