@@ -150,6 +150,9 @@ def test_interrupted_run_leaves_no_half_written_result_and_resumes(workdir, stop
     contexts = config["runs"]["cpu"]["e2e"]["context_lengths"] = config["runs"]["cpu"]["e2e"][
         "context_lengths"
     ][::-1]
+    # Long enough that the interrupt lands mid-job: at the smoke run's 10 steps the tiny model's six cells take
+    # about 3 s, less than Snakemake may take to stop its job on a quiet machine.
+    config["runs"]["cpu"]["e2e"]["steps"] = 300
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     last_cell = f"ctx={contexts[-1]} train_step"  # the CLI logs "[e2e] <size> ctx=<n> <mode> ..." per cell
     csv, sidecar = workdir / "results/cpu/e2e/tiny.csv", workdir / "results/cpu/e2e/tiny.json"
