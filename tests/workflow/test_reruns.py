@@ -147,12 +147,12 @@ def test_interrupted_run_leaves_no_half_written_result_and_resumes(workdir, stop
     cleared the lock Snakemake could not release, and without --rerun-incomplete (profiles/default sets it)."""
     path = workdir / "config.yaml"
     config = yaml.safe_load(path.read_text())
-    contexts = config["runs"]["cpu"]["e2e"]["context_lengths"] = config["runs"]["cpu"]["e2e"][
-        "context_lengths"
-    ][::-1]
-    # Long enough that the interrupt lands mid-job: at the smoke run's 10 steps the tiny model's six cells take
-    # about 3 s, less than Snakemake may take to stop its job on a quiet machine.
-    config["runs"]["cpu"]["e2e"]["steps"] = 300
+    # Reversed, and with more cells between the two (only e2e_benchmark reads these), so that the interrupt lands
+    # mid-job: the smoke run's six cells take about 3 s, less than Snakemake may take to stop its job on a quiet
+    # machine.
+    lengths = config["runs"]["cpu"]["e2e"]["context_lengths"]
+    first, last = max(lengths), min(lengths)
+    contexts = config["runs"]["cpu"]["e2e"]["context_lengths"] = [first, *range(first - 4, last, -4), last]
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     last_cell = f"ctx={contexts[-1]} train_step"  # the CLI logs "[e2e] <size> ctx=<n> <mode> ..." per cell
     csv, sidecar = workdir / "results/cpu/e2e/tiny.csv", workdir / "results/cpu/e2e/tiny.json"
