@@ -11,6 +11,8 @@ CHECKPOINTING_CLI = ("python -m cs336_systems.experiments.checkpointing_benchmar
 
 
 rule checkpointing_policies:
+    message:
+        "2026 §3.2 activation checkpointing: every policy, autocast {wildcards.autocast} -> {output.csv}"
     input:
         CHECKPOINTING_CODE,
     output:
@@ -45,6 +47,8 @@ rule checkpointing_policies:
 
 
 rule checkpointing_depths:
+    message:
+        "2026 §3.2 activation checkpointing: the depth study -> {output.csv}"
     input:
         CHECKPOINTING_CODE,
     output:

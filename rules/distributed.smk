@@ -38,6 +38,8 @@ rule launch_ranks:
 
 
 use rule launch_ranks as allreduce_benchmark with:
+    message:
+        "§2.1.3 all-reduce timing over {params.nproc} ranks ({params.backend}) -> {output.csv}"
     input:
         code("experiments/allreduce_benchmark.py", *DIST_CODE),
     output:
@@ -59,6 +61,8 @@ use rule launch_ranks as allreduce_benchmark with:
 
 
 use rule launch_ranks as naive_ddp_check with:
+    message:
+        "§2.2 naive DDP against single-process training -> {output.csv}"
     input:
         code("experiments/naive_ddp_check.py", "parallel/ddp.py", "model/toy.py", *DIST_CODE),
     output:
@@ -78,6 +82,8 @@ use rule launch_ranks as naive_ddp_check with:
 # same machine and state. The Chrome traces go to traces/ (ignored by git); the timeline of the last traced step
 # per variant is the committed, plotted result (where the launcher skips, it gets the skipped row too).
 use rule launch_ranks as ddp_benchmark with:
+    message:
+        "§2.2–2.3 DDP variants on {params.nproc} ranks -> {output.csv}"
     input:
         code("experiments/ddp_benchmark.py", "measure/timeline.py", *BENCHMARK_CODE, *DIST_CODE),
     output:
@@ -100,6 +106,8 @@ use rule launch_ranks as ddp_benchmark with:
 
 
 use rule launch_ranks as sharding_benchmark with:
+    message:
+        "§3 optimizer state sharding on {params.nproc} ranks -> {output.csv}"
     input:
         code("experiments/sharding_benchmark.py", "parallel/sharded_optimizer.py", *BENCHMARK_CODE, *DIST_CODE),
     output:
@@ -120,6 +128,8 @@ use rule launch_ranks as sharding_benchmark with:
 
 
 rule communication_accounting:
+    message:
+        "§2.4 communication accounting (closed forms) -> {output.csv}"
     input:
         code("experiments/communication_accounting_analysis.py", "accounting/formulas.py", "parallel/partition.py"),
     output:

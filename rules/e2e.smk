@@ -3,6 +3,8 @@ E2E = R["e2e"]
 
 
 rule e2e_benchmark:
+    message:
+        "§1.1.3 end-to-end timing, size {wildcards.size} -> {output.csv}"
     input:
         code("experiments/e2e_benchmark.py", *MODEL_CODE),
     output:
@@ -32,6 +34,8 @@ rule e2e_benchmark:
 
 
 rule e2e_warmup_study:
+    message:
+        "§1.1.3 warm-up study, size {wildcards.size}, {wildcards.warmup} warm-up steps -> {output.csv}"
     input:
         code("experiments/e2e_benchmark.py", *MODEL_CODE),
     output:

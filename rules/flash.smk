@@ -7,6 +7,8 @@ FLASH_CODE = code("bench/flash_variants.py", "kernels/flash_attention.py", "kern
 
 
 rule flash_benchmark:
+    message:
+        "§1.3.2 FlashAttention-2 grid, {wildcards.dtype}, head dim {wildcards.d_head} -> {output.csv}"
     input:
         code("experiments/flash_benchmark.py") + FLASH_CODE,
     output:
@@ -33,6 +35,8 @@ rule flash_benchmark:
 
 
 rule flash_leaderboard:
+    message:
+        "§1.3.3 FlashAttention-2 leaderboard timing -> {output.csv}"
     input:
         code("experiments/flash_leaderboard.py") + FLASH_CODE,
     output:
@@ -61,6 +65,8 @@ rule flash_leaderboard:
 
 
 rule flash_peers:
+    message:
+        "FlashAttention-2 against PyTorch's fastest attention, {wildcards.mask}, head dim {wildcards.d_head} -> {output.csv}"
     input:
         code("experiments/flash_benchmark.py") + FLASH_CODE,
     output:
@@ -94,6 +100,8 @@ rule flash_peers:
 
 
 rule flash_ncu:
+    message:
+        "FlashAttention-2 under Nsight Compute -> {output.csv}"
     input:
         code("experiments/flash_ncu.py", "measure/ncu.py") + FLASH_CODE,
     output:

@@ -29,6 +29,8 @@ fsdp_cli = per_world_size({
 
 
 use rule launch_ranks as fsdp_benchmark with:
+    message:
+        "2026 §7 FSDP against FSDP2, DDP and one rank, world size {wildcards.world_size} -> {output.csv}"
     input:
         code("experiments/fsdp_benchmark.py", "bench/fsdp_variants.py", "parallel/fsdp.py", "measure/timeline.py", "measure/cuda_memory.py",
              *BENCHMARK_CODE, *DIST_CODE),

@@ -13,6 +13,8 @@ CHECKS_CSV = f"{RESULTS}/parallelism_checks/n{{world_size}}.csv"
 
 
 rule parallelism_analysis:
+    message:
+        "2026 §8 parallelism analysis (sympy) -> {output.csv}"
     input:
         code("experiments/parallelism_analysis.py", "accounting/parallelism.py"),
     output:
@@ -37,6 +39,8 @@ rule parallelism_analysis:
 
 
 use rule launch_ranks as ring_allreduce_timing with:
+    message:
+        "2026 §8.1 ring and alternate all-reduce timing on {params.nproc} ranks -> {output.csv}"
     input:
         code("experiments/ring_allreduce_timing.py", "parallel/ring_collectives.py", "accounting/parallelism.py", *DIST_CODE),
     output:
@@ -57,6 +61,8 @@ use rule launch_ranks as ring_allreduce_timing with:
 
 
 use rule launch_ranks as parallelism_checks with:
+    message:
+        "2026 §8 ring collectives and parallel FFN checks on {params.nproc} ranks -> {output.csv}"
     input:
         code("experiments/parallelism_checks.py", "bench/strategy_checks.py", "parallel/ring_collectives.py", "parallel/ffn_parallel.py",
              "accounting/parallelism.py", *DIST_CODE),

@@ -12,6 +12,8 @@ REPORT_CODE += code(*(m for m in REPORT_MODULES if not m.startswith("report/")))
 
 
 rule writeup:
+    message:
+        "the writeup of run {params.run} -> {output.run}"
     input:
         WRITEUP_INPUTS,
         REPORT_CODE,

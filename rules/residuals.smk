@@ -4,6 +4,8 @@ RESIDUALS = R["residuals"]  # its size and heads: checked by rules/config.smk
 
 
 rule residuals:
+    message:
+        "2026 §3.1 autograd residuals of RMSNorm and one block -> {output.csv}"
     input:
         code("experiments/residuals_benchmark.py", "measure/saved_tensors.py", "kernels/flash_attention.py", "kernels/flash_triton.py",
              "kernels/triton_interpreter.py"),

@@ -16,6 +16,8 @@ E2E_PAIR = ("python -m cs336_systems.experiments.e2e_benchmark --size {wildcards
 
 
 rule profile_model:
+    message:
+        "§1.1.4 profiler, size {wildcards.size} -> {output.csv}"
     input:
         code("experiments/profile_model.py", "measure/profiling.py", *MODEL_CODE),
     output:
@@ -48,6 +50,8 @@ rule profile_model:
 
 # A CPU-only toy (float accumulation), whatever the run's device.
 rule mixed_precision_accumulation:
+    message:
+        "§1.1.5 mixed precision: accumulation -> {output.csv}"
     input:
         code("experiments/mixed_precision_benchmark.py", "bench/precision.py", "model/toy.py"),
     output:
@@ -66,6 +70,8 @@ rule mixed_precision_accumulation:
 
 
 rule mixed_precision_autocast_dtypes:
+    message:
+        "§1.1.5 mixed precision: autocast dtypes -> {output.csv}"
     input:
         code("experiments/mixed_precision_benchmark.py", "bench/precision.py", "model/toy.py"),
     output:
@@ -90,6 +96,8 @@ rule mixed_precision_autocast_dtypes:
 
 # §1.1.5 (c): fp32 and bf16 autocast of one size in the same job, so both run on the same machine and state.
 rule mixed_precision_e2e:
+    message:
+        "§1.1.5 bf16 end to end, size {wildcards.size} -> {output.fp32}"
     input:
         code("experiments/e2e_benchmark.py", *MODEL_CODE),
     output:
@@ -121,6 +129,8 @@ rule mixed_precision_e2e:
 
 
 rule memory_profile:
+    message:
+        "§1.1.6 memory profile -> {output.peaks}"
     input:
         code("experiments/memory_profile.py", "measure/cuda_memory.py", *MODEL_CODE),
     output:
@@ -156,6 +166,8 @@ rule memory_profile:
 
 # §1.2.1 and §1.3.1 (a): the eager and the compiled attention grid in one job.
 rule attention_benchmark:
+    message:
+        "§1.2.1 PyTorch attention timing and memory -> {output.csv}"
     input:
         NAIVE_ATTENTION_CODE,
     output:
@@ -188,6 +200,8 @@ rule attention_benchmark:
 # per size and context: the compiled graph is specialised to its input shape and compiling the largest sizes
 # takes minutes, so each cell is its own job and a run cut short keeps the cells it finished.
 rule compile_e2e:
+    message:
+        "§1.3.1 torch.compile'd model, size {wildcards.size}, context {wildcards.context} -> {output.eager}"
     input:
         code("experiments/e2e_benchmark.py", *MODEL_CODE),
     output:

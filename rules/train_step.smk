@@ -16,6 +16,8 @@ COMPONENTS_CSV = f"{RESULTS}/train_step_components/components.csv"
 
 
 rule train_step:
+    message:
+        "2026 §9 leaderboard step, stack {wildcards.stack}, by depth -> {output.csv}"
     input:
         TRAIN_STEP_CODE,
     output:
@@ -48,6 +50,8 @@ rule train_step:
 # Where the time of one step goes, by component (attention, matmuls, head + loss, optimizer, the rest): one
 # profiled step per stack at one depth.
 rule train_step_components:
+    message:
+        "2026 §9 leaderboard step: time by component -> {output.csv}"
     input:
         TRAIN_STEP_CODE,
     output:
@@ -82,6 +86,8 @@ CHECK_CSV = f"{RESULTS}/train_step_check/check.csv"
 if CHECK:
 
     rule train_step_check:
+        message:
+            "2026 §9 every stack trains as the plain model does -> {output.csv}"
         input:
             code("experiments/train_step_check.py", *TRAIN_STEP_LIBRARY),
         output:
@@ -118,6 +124,8 @@ COLD_CSV = f"{RESULTS}/train_step_cold/{{stack}}.csv"
 if COLD:
 
     use rule train_step as train_step_cold with:
+        message:
+            "2026 §9 leaderboard step from empty compile caches, stack {wildcards.stack} -> {output.csv}"
         output:
             csv=report(COLD_CSV, caption="report/train_step.rst", category="Results",
                        subcategory="9 The leaderboard's training step"),
@@ -145,6 +153,8 @@ SHARDED_CSV = f"{RESULTS}/train_step_sharded/n{{world_size}}.csv"
 if SHARDED:
 
     use rule launch_ranks as train_step_sharded with:
+        message:
+            "2026 §9 leaderboard step sharded over {params.nproc} ranks -> {output.csv}"
         input:
             TRAIN_STEP_CODE,
             code("parallel/fsdp.py", *DIST_CODE),

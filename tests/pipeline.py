@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,33 @@ def copy_pipeline(dest: Path) -> Path:
     return dest
 
 
+# `python -m snakemake` that also prints each job it announces as one line "JOB {json}" on stderr. The rules have
+# messages, so the console shows a job's message in place of its rule block (rule, wildcards, resources, threads,
+# reason); the tests read those from here instead.
+_RECORD_JOBS = """
+import json, logging, sys
+from snakemake.cli import main
+from snakemake.logging import LogEvent, get_event
+
+class RecordJobs(logging.Handler):
+    def emit(self, record):
+        if get_event(record) == LogEvent.JOB_INFO:
+            job = {key: getattr(record, key) for key in ("rule_name", "rule_msg", "wildcards", "threads", "reason", "shellcmd")}
+            job["resources"] = dict(record.resources.items())
+            print("JOB " + json.dumps(job, default=str), file=sys.stderr, flush=True)
+
+logging.getLogger().addHandler(RecordJobs())  # Snakemake's logger propagates to the root's handlers
+main()
+"""
+SNAKEMAKE = [sys.executable, "-c", _RECORD_JOBS]
+
+
+def announced_jobs(output: str) -> list[dict]:
+    """The jobs a run of SNAKEMAKE announced (in a dry run: planned), in order: dicts of rule_name, rule_msg (its
+    message), wildcards, threads, reason, shellcmd and resources."""
+    return [json.loads(line[4:]) for line in output.splitlines() if line.startswith("JOB {")]
+
+
 def snakemake(workdir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", *args]
+    cmd = [*SNAKEMAKE, "--cores", "2", *args]
     return subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=timeout)

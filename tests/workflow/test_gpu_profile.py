@@ -4,14 +4,12 @@ share the GPUs (stand-in GPU ids: pin_gpus only reads CUDA_VISIBLE_DEVICES and t
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 from ..conftest import REPO
-from ..pipeline import copy_pipeline
+from ..pipeline import SNAKEMAKE, announced_jobs, copy_pipeline
 
 
 def pinned(gpus_needed: int, visible: str, **env: str) -> subprocess.Popen:
@@ -64,26 +62,19 @@ def test_pin_gpus_gives_each_job_gpus_no_other_job_holds():
 
 def test_gpu_profile_plans_every_gpu_job_with_the_gpus_it_needs(tmp_path):
     workdir = copy_pipeline(tmp_path)
-    cmd = [sys.executable, "-m", "snakemake", "--profile", "profiles/gpu", "-n", "report/writeup.md"]
+    cmd = [*SNAKEMAKE, "--profile", "profiles/gpu", "-n", "report/writeup.md"]
     dry = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-3000:]
-    out = dry.stdout + dry.stderr
-    blocks = {}
-    for block in re.split(r"\n(?=\[[^\]]+\]\n)", out):
-        rule = re.search(r"^(?:local)?rule (\w+):", block, re.M)
-        if rule:
-            blocks.setdefault(rule.group(1), block)
-    gpu = {
-        rule: int(re.search(r"\bgpu=(\d+)", block).group(1))
-        for rule, block in blocks.items()
-        if rule != "all"
-    }
+    jobs = {job["rule_name"]: job for job in announced_jobs(dry.stderr)}
+    gpu = {rule: job["resources"]["gpu"] for rule, job in jobs.items() if rule != "all"}
     # The profile's gpu=1 caps each job's share of the box: one GPU job at a time.
     assert gpu["e2e_benchmark"] == gpu["flash_benchmark"] == gpu["naive_ddp_check"] == 1
     assert gpu["communication_accounting"] == gpu["writeup"] == gpu["mixed_precision_accumulation"] == 0
     # ...but an NCCL job still pins all the GPUs it needs, and a single-GPU job one.
     assert (
         "pin_gpus 2; python -m cs336_systems.parallel.launch --nproc 2 --backend nccl"
-        in blocks["naive_ddp_check"]
+        in jobs["naive_ddp_check"]["shellcmd"]
     )
-    assert "pin_gpus 1; python -m cs336_systems.experiments.e2e_benchmark" in blocks["e2e_benchmark"]
+    assert (
+        "pin_gpus 1; python -m cs336_systems.experiments.e2e_benchmark" in jobs["e2e_benchmark"]["shellcmd"]
+    )

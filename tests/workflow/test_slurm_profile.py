@@ -17,7 +17,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import REPO
+from ..pipeline import SNAKEMAKE, announced_jobs
 from .test_smoke_pipeline import copy_of_smoke_run, job_counts
 
 FAKE_SLURM = r'''
@@ -144,9 +144,7 @@ def run_profile(cluster, *args: str, fail_jobs: bool = False) -> subprocess.Comp
         env = dict(env, FAKE_SLURM_FAIL="1")
     # Poll every second instead of the profile's 40 s: the stand-ins answer at once.
     cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
+        *SNAKEMAKE,
         "--profile",
         str(profile),
         "--slurm-init-seconds-before-status-checks",
@@ -169,24 +167,14 @@ def plan(cluster, *args: str) -> dict[tuple[str, str], dict[str, str]]:
 
 
 def planned_jobs(output: str) -> dict[tuple[str, str], dict[str, str]]:
-    """(rule, wildcards) -> resources (and threads) of every job that a dry run lists."""
+    """(rule, wildcards) -> resources (and threads), as strings, of every job that a dry run lists."""
     planned = {}
-    for block in re.split(r"\n(?=\[[^\]]+\]\n)", output):
-        rule = re.search(r"^rule (\w+):", block, re.M)
-        resources = re.search(r"^\s+resources: (.*)$", block, re.M)
-        if not (rule and resources):
-            continue
-        wildcards = re.search(r"^\s+wildcards: (.*)$", block, re.M)
-        threads = re.search(r"^\s+threads: (\d+)$", block, re.M)
+    for job in announced_jobs(output):
         # A rule's comment on SLURM is rule_<name>[_wildcards_<values joined by _>].
-        key = (
-            "_".join(value for _, value in re.findall(r"(\w+)=([^,]+)", wildcards.group(1)))
-            if wildcards
-            else ""
-        )
-        needs = dict(re.findall(r"(\w+)=([^,]+)", resources.group(1)))
-        needs["threads"] = threads.group(1) if threads else "1"
-        planned[(rule.group(1), key)] = needs
+        key = "_".join(str(value) for value in job["wildcards"].values())
+        needs = {name: str(value) for name, value in job["resources"].items()}
+        needs["threads"] = str(job["threads"])
+        planned[(job["rule_name"], key)] = needs
     return planned
 
 

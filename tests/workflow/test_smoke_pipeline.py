@@ -14,7 +14,7 @@ import pytest
 
 from cs336_systems.report import render
 
-from ..pipeline import copy_pipeline, snakemake
+from ..pipeline import announced_jobs, copy_pipeline, snakemake
 
 _SMOKE: dict[str, Path | subprocess.CompletedProcess] = {}
 
@@ -123,6 +123,21 @@ def test_writeup_has_every_section_and_its_figures(smoke):
     for link in figures:
         assert (smoke / "report" / link).is_file(), link
     assert "| tiny" in writeup  # the e2e table
+
+
+def test_console_shows_a_line_per_job_and_where_the_writeup_is(smoke):
+    """Issue 41: each job is one line on the console (its message: the section and the file it writes), not a rule
+    block with every input; at the end, where the writeup and the HTML report are."""
+    console = _SMOKE["result"].stdout + _SMOKE["result"].stderr
+    jobs = announced_jobs(console)
+    assert len(jobs) > 30 and all(job["rule_msg"] for job in jobs), [
+        j["rule_name"] for j in jobs if not j["rule_msg"]
+    ]
+    job_lines = re.findall(r"^Job \d+: (.*) -> results/cpu/", console, re.M)
+    assert len(job_lines) == len(jobs) - 1  # the writeup's message names report/, not results/
+    assert not re.search(r"^\s+input: ", console, re.M)
+    assert "The writeup of run cpu: report/cpu/writeup.md" in console
+    assert "snakemake --report report/report.html" in console
 
 
 def test_cpu_writeup_says_what_the_cpu_did(smoke, tmp_path):

@@ -5,18 +5,17 @@ the report code."""
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 
 from ..conftest import REPO
-from ..pipeline import copy_pipeline, snakemake
+from ..pipeline import announced_jobs, copy_pipeline, snakemake
 from .test_smoke_pipeline import job_counts
 
 
 def job_reasons(output: str) -> dict[str, str]:
     """Rule name -> the reason a `snakemake -n` run gives for its job(s)."""
-    return dict(re.findall(r"^(?:local)?rule (\w+):\n(?:\s+\w+:.*\n)*?\s+reason: (.*)$", output, re.M))
+    return {job["rule_name"]: job["reason"] for job in announced_jobs(output)}
 
 
 def set_mtime(paths, when: float) -> None:
