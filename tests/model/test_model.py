@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from cs336_systems.model.sizes import MODEL_SIZES as SIZES
-from cs336_systems.model.transformer import ModelConfig, RotaryEmbedding, TransformerLM
+from cs336_systems.model.transformer import (
+    ModelConfig,
+    RotaryEmbedding,
+    TransformerBlock,
+    TransformerLM,
+    initial_values,
+)
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -68,6 +74,38 @@ def test_naive_and_sdpa_attention_agree():
     sdpa.load_state_dict(naive.state_dict())
     tokens = torch.randint(0, 97, (2, 31))
     torch.testing.assert_close(naive(tokens), sdpa(tokens), rtol=1e-10, atol=1e-10)
+
+
+def test_a_model_built_on_the_meta_device_gets_the_plain_models_values_one_child_at_a_time(monkeypatch):
+    """initial_values: every parameter and buffer of a meta-device model, each for its own module and equal to the
+    plain model's from the same seed (to the bit); one top-level child built at a time; the RNG left where the
+    plain build leaves it."""
+    cfg = tiny(num_layers=3)
+    torch.manual_seed(5)
+    plain = TransformerLM(cfg)
+    after_plain = torch.rand(8)
+    torch.manual_seed(5)
+    with torch.device("meta"):
+        meta = TransformerLM(cfg)
+    names = {id(module): name for name, module in meta.named_modules()}
+    expected = {**dict(plain.named_parameters()), **dict(plain.named_buffers())}
+    seen, built = [], []
+    construct = TransformerBlock.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(len(seen))  # how many values had been handed out when a block was built
+        construct(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformerBlock, "__init__", counted)
+    for owner, attr, value in initial_values(meta, torch.device("cpu")):
+        name = f"{names[id(owner)]}.{attr}"
+        assert torch.equal(value, expected[name]), name
+        seen.append(name)
+    assert sorted(seen) == sorted(expected)
+    assert torch.equal(torch.rand(8), after_plain)
+    # the three blocks built for the construction's draws before any value, then each just before its values
+    per_block = len([name for name in seen if name.startswith("blocks.0.")])
+    assert built == [0, 0, 0, 1, 1 + per_block, 1 + 2 * per_block]
 
 
 def test_rope_scores_depend_only_on_relative_position():

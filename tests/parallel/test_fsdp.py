@@ -44,6 +44,13 @@ def test_block_units_and_bf16_weights(world_size: int):
     assert f"OK on {world_size} ranks" in result.stdout
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_model_built_on_the_meta_device_starts_from_the_plain_models_weights(world_size: int):
+    result = launch(world_size, "meta")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"OK on {world_size} ranks" in result.stdout
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_the_assignments_protocol_bitwise_in_fp32_and_close_in_fp16_and_bf16(world_size: int):
     result = launch(world_size, "protocol", "protocol_low_precision", "exact_transformer")

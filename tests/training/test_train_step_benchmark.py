@@ -60,23 +60,26 @@ def test_every_stack_trains_as_the_plain_model(stack: str):
 )
 def test_sharded_stacks_train_as_the_unsharded_ones(stack: str, compiled: bool):
     """Two ranks (gloo), each on its own sequence, against the same stack unsharded on both sequences
-    (tests/workers/train_step_worker.py): summed loss and updated full weights. Compiled: our FSDP's hooks stay outside
+    (tests/workers/train_step_worker.py): the initial weights and buffers (the sharded model built on the meta
+    device) equal to the bit, then summed loss and updated full weights. Compiled: our FSDP's hooks stay outside
     the compiled blocks, the units."""
+    run_train_step_worker(2, stack, *(["--compile"] if compiled else []))
+
+
+@pytest.mark.parametrize("stack", ["native_fsdp", "ours_fsdp"])
+def test_sharded_stacks_start_from_the_plain_models_weights_on_three_ranks(stack: str):
+    """Three ranks: every weight's shards padded somewhere; the initial weights alone."""
+    run_train_step_worker(3, stack, "--initial-only")
+
+
+def run_train_step_worker(nproc: int, *args: str) -> None:
     worker = Path(__file__).parents[1].joinpath("workers", "train_step_worker.py")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(worker),
-        stack,
-        *(["--compile"] if compiled else []),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    result = subprocess.run(
+        [*command, str(worker), *args], capture_output=True, text=True, timeout=600, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK on 2 ranks" in result.stdout
+    assert f"OK on {nproc} ranks" in result.stdout
 
 
 @launches_kernels
@@ -190,6 +193,7 @@ def test_cli_writes_cells_and_the_per_layer_fit(tmp_path: Path):
     cells, fits = rows[rows["kind"] == "cell"], rows[rows["kind"] == "fit"].set_index("stack")
     assert len(cells) == 4 and (cells["status"] == "ok").all() and (cells["step_ms"] > 0).all()
     assert (cells["weights"] == "float32").all()
+    assert cells[["build_peak_mib", "first_step_peak_mib", "peak_mib"]].isna().all().all()  # no CUDA peaks
     assert (cells["updated_fraction"] == 1).all()  # float32 weights keep every update, weight decay's too
     # float32 weights and gradients of the same size, AdamW's two moments twice that (and our kernel's step counts
     # are Python numbers); the deeper model holds more
@@ -204,6 +208,60 @@ def test_cli_writes_cells_and_the_per_layer_fit(tmp_path: Path):
         assert fits.loc[stack, "per_layer_ms"] == pytest.approx(two - one)
         assert fits.loc[stack, "step_ms"] == pytest.approx(one + 33 * (two - one))
         assert fits.loc[stack, "status"] == "extrapolated" and "34 layers" in fits.loc[stack, "reason"]
+
+
+class FakeAllocator:
+    """The CUDA allocator's peak statistics as measure() reads them: what is allocated now and the peak since the
+    last reset (a reset starts the peak from what is allocated)."""
+
+    def __init__(self):
+        self.now = self.peak = 0.0
+
+    def hold(self, mib: float, transient: float) -> None:
+        self.now += mib
+        self.peak = max(self.peak, self.now + transient)
+
+    def reset(self, device: torch.device) -> None:
+        self.peak = self.now
+
+    def read(self, device: torch.device) -> float:
+        return self.peak
+
+
+def test_the_steps_peak_is_not_the_builds(monkeypatch):
+    """A cell whose build keeps 10 MiB but passes through 100 MiB more (a whole model before its shards), whose
+    first step keeps 20 MiB more (gradients, optimizer state) with 50 MiB of temporaries (compilation), and whose
+    later steps need 5 MiB of temporaries: the build's peak is 110 MiB, the first step's 80 and the step's own 35,
+    not the 110 a peak since the build would say."""
+    from cs336_systems.bench import stack_timing
+
+    fake, steps = FakeAllocator(), []
+    build_step = stack_timing.build_step
+
+    def build(*args, **kwargs):
+        train = build_step(*args, **kwargs)
+        fake.hold(10, transient=100)
+        step = train.train_step
+
+        def allocating_step():
+            fake.hold(0 if steps else 20, transient=5 if steps else 50)
+            steps.append(fake.peak)
+            return step()
+
+        train.train_step = allocating_step
+        return train
+
+    monkeypatch.setattr(stack_timing, "build_step", build)
+    monkeypatch.setattr(stack_timing, "reset_peak", fake.reset)
+    monkeypatch.setattr(stack_timing, "peak_mib", fake.read)
+    args = train_step_benchmark.parse_args(
+        ["--out", "unused.csv", "--d-model", "32", "--d-ff", "48", "--num-heads", "2", "--vocab-size", "61",
+         "--context-length", "16", "--num-layers", "1", "--stacks", "plain", "--dtype", "float32",
+         "--no-compile", "--steps", "2", "--warmup-steps", "1"]
+    )  # fmt: skip
+    result = stack_timing.measure("plain", 1, args, torch.device("cpu"), 0.0)
+    assert len(steps) >= 4  # the first, one warm-up and two timed (then the ones after the peaks are read)
+    assert (result["build_peak_mib"], result["first_step_peak_mib"], result["peak_mib"]) == (110, 80, 35)
 
 
 @launches_kernels

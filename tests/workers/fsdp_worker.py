@@ -336,6 +336,43 @@ def block_units(exact: bool = False) -> None:
         raise AssertionError("a unit outside the wrapped module was accepted")
 
 
+def meta_device() -> None:
+    """Our TransformerLM built on the meta device, its blocks as units, sharded onto the CPU and set one top-level
+    child at a time from cs336_systems.model.transformer.initial_values: its gathered weights and its buffers are
+    the model's built whole from the same seed, to the bit, in float32 and in bf16; the run's RNG is left where the
+    whole build leaves it. A meta module without `device` is refused."""
+    from cs336_systems.model.transformer import ModelConfig, TransformerLM, initial_values
+
+    cfg = ModelConfig.from_name("tiny", vocab_size=61, context_length=8)
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(3)
+        reference = TransformerLM(cfg).to(dtype)
+        after_reference = torch.rand(4)
+        torch.manual_seed(3)
+        with torch.device("meta"):
+            model = TransformerLM(cfg).to(dtype)
+        values = initial_values(model, torch.device("cpu"))
+        fsdp = FullyShardedDataParallel(model, units=model.blocks, device=torch.device("cpu"))
+        assert all(w.shard.numel() == w.shard_numel for w in fsdp.weights), "shards only"
+        for owner, name, value in values:
+            fsdp.set_full_value(owner, name, value)
+        assert torch.equal(torch.rand(4), after_reference), "the run's RNG moved on as the whole build's"
+        full = fsdp.gather_full_params()
+        for name, p in reference.named_parameters():
+            assert full[name].dtype == dtype and torch.equal(full[name], p), f"meta {dtype}: {name} differs"
+        buffers = dict(model.named_buffers())
+        for name, b in reference.named_buffers():
+            assert torch.equal(buffers[name], b), f"meta {dtype}: buffer {name} differs"
+    with torch.device("meta"):
+        model = TransformerLM(cfg)
+    try:
+        FullyShardedDataParallel(model)
+    except ValueError as error:
+        assert "meta device needs `device`" in str(error), error
+    else:
+        raise AssertionError("a module on the meta device was wrapped without a device")
+
+
 def bf16_weights() -> None:
     """A bf16 model (the leaderboard's storage): shards, gradients and so the optimizer's state stay bf16, and
     training matches single-process bf16 training up to bf16 rounding of the reduction."""
@@ -598,6 +635,7 @@ CASES = {
     "prefetch": prefetch_rule,
     "units": block_units,
     "bf16": bf16_weights,
+    "meta": meta_device,
     "transformer": our_transformer,
     "tied": tied,
     "anomaly": anomaly_mode,

@@ -1,11 +1,14 @@
 """Run under torchrun (gloo, CPU) by tests/training/test_train_step_benchmark.py: each sharded stack of the leaderboard's
 train step against the same stack unsharded, on the batch of every rank's sequences.
 
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/train_step_worker.py STACK [--compile]
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/workers/train_step_worker.py STACK \
+        [--compile] [--initial-only]
 
-Two steps: the summed loss over ranks equals the unsharded loss, and the updated full weights equal the
-unsharded model's, where that one's loss is divided by the world size (the sharded stacks average gradients
-over ranks). float32, our Triton kernels in the interpreter.
+The sharded model, built on the meta device and initialised shard by shard, starts from exactly the unsharded
+model's weights and buffers (built whole with the same seed). Then two steps (none with --initial-only): the
+summed loss over ranks equals the unsharded loss, and the updated full weights equal the unsharded model's, where
+that one's loss is divided by the world size (the sharded stacks average gradients over ranks). float32, our
+Triton kernels in the interpreter.
 """
 
 from __future__ import annotations
@@ -35,7 +38,20 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def main(stack_name: str, compiled: bool) -> None:
+def check_initial_values(stack_name: str, sharded: torch.nn.Module, whole: torch.nn.Module) -> None:
+    """Every weight (gathered) and buffer of the sharded model equals the unsharded one's, to the bit; nothing
+    is left on the meta device."""
+    mine = full_weights(sharded)
+    for name, weight in whole.named_parameters():
+        assert torch.equal(mine[name], weight), f"{stack_name}: initial {name} differs from the plain model's"
+    buffers = dict(sharded.named_buffers())
+    for name, buffer in whole.named_buffers():
+        theirs = buffers[f"module.{name}" if isinstance(sharded, FullyShardedDataParallel) else name]
+        assert torch.equal(theirs, buffer), f"{stack_name}: buffer {name} differs from the plain model's"
+    assert not any(t.is_meta for t in [*sharded.parameters(), *sharded.buffers()]), stack_name
+
+
+def main(stack_name: str, compiled: bool, initial_only: bool) -> None:
     with distributed(backend="gloo", timeout_s=600) as ctx:
         stack = STACKS[stack_name]
         make = lambda s: build_step(
@@ -53,7 +69,8 @@ def main(stack_name: str, compiled: bool) -> None:
             for r in range(ctx.world_size)
         ]
         whole.batch = torch.cat(ids)[:, :-1], torch.cat(ids)[:, 1:]
-        for step in range(2):
+        check_initial_values(stack_name, sharded.model, whole.model)
+        for step in range(0 if initial_only else 2):
             loss = sharded.train_step()
             dist.all_reduce(loss)
             whole.optimizer.zero_grad(set_to_none=True)
@@ -75,10 +92,11 @@ def main(stack_name: str, compiled: bool) -> None:
                 )
         if ctx.is_main:
             print(
-                f"TRAIN STEP {stack_name}{' compiled' if compiled else ''} OK on {ctx.world_size} ranks",
+                f"TRAIN STEP {stack_name}{' compiled' if compiled else ''}"
+                f"{' initial values' if initial_only else ''} OK on {ctx.world_size} ranks",
                 flush=True,
             )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--compile" in sys.argv[2:])
+    main(sys.argv[1], "--compile" in sys.argv[2:], "--initial-only" in sys.argv[2:])

@@ -1,6 +1,6 @@
 """What the 2026 leaderboard's training-step benchmark measures (experiments/train_step_benchmark.py): each
 (stack, depth) cell timed (do_bench on one GPU; a fixed step count on every rank under the launcher), its peak
-memory and clock, what one device keeps between steps, and the per-layer least-squares fit extrapolated to the
+memory (PEAKS: the build's, the first step's and the steps' after it, each from its own reset) and clock, what one device keeps between steps, and the per-layer least-squares fit extrapolated to the
 leaderboard's depth (labelled as an extrapolation). The arguments are the CLI's (`args`)."""
 
 from __future__ import annotations
@@ -29,6 +29,22 @@ from cs336_systems.training.workload import TrainingStep
 
 # A cell's clock (seconds): building the model and optimizer, the first step, the CLI's start to the timing's end.
 CLOCK = ("build_s", "first_step_s", "elapsed_s")
+# A cell's allocator peaks (MiB), each from a reset of the peak statistics at its start: the model's build (model,
+# sharding, optimizer), the first step (compilation, autotuning, the optimizer state's creation) and the steps after
+# it (the warm-up and timed steps; on one GPU every call of do_bench, its 256 MB L2-flush buffer included): the
+# step's own peak. NaN off CUDA.
+PEAKS = ("build_peak_mib", "first_step_peak_mib", "peak_mib")
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak: the allocator's peak statistics from what is allocated now (CUDA; nothing elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_mib(device: torch.device) -> float:
+    """The allocator's peak since the last reset_peak, in MiB; NaN off CUDA, which keeps no such statistics."""
+    return torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else float("nan")
 
 
 def time_step(step, device: torch.device, args: argparse.Namespace) -> float:
@@ -55,15 +71,15 @@ def one_device_ms(fn, device: torch.device, warmup_steps: int, steps: int, **do_
 def measure(
     stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, started_run: float
 ) -> dict:
-    """One (stack, depth) cell: build, first step, the timed steps, peak memory, and on one device what the
-    model keeps between steps, the share of weights one more step changes and optimizer.step() alone; on
-    several ranks the largest rank's peak, clock and (our FSDP) waits. `started_run`: the CLI's start
+    """One (stack, depth) cell: build, first step, the timed steps, their peaks (PEAKS: the peak statistics reset
+    before the build, before the first step and after it, so the step's peak is not the build's), and on one
+    device what the model keeps between steps, the share of weights one more step changes and optimizer.step()
+    alone; on several ranks the largest rank's peaks, clock and (our FSDP) waits. `started_run`: the CLI's start
     (time.perf_counter())."""
     dims = {
         name: getattr(args, name) for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length")
     }
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak(device)
     started = time.perf_counter()
     train = build_step(
         STACKS[stack],
@@ -77,9 +93,13 @@ def measure(
     )
     sync(device)
     built = time.perf_counter()
+    peaks = {"build_peak_mib": peak_mib(device)}
+    reset_peak(device)
     train.train_step()  # the first step compiles and autotunes
     sync(device)
     clock = {"build_s": built - started, "first_step_s": time.perf_counter() - built}
+    peaks["first_step_peak_mib"] = peak_mib(device)
+    reset_peak(device)  # from here the steps' own peak
     ours = isinstance(train.model, FullyShardedDataParallel)
     records = []
     step = train.train_step
@@ -93,7 +113,7 @@ def measure(
     step_ms = time_step(step, device, args)
     sync(device)
     clock["elapsed_s"] = time.perf_counter() - started_run
-    peak = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else float("nan")
+    peaks["peak_mib"] = peak_mib(device)
     waits = {}
     alone = {}
     if not dist.is_initialized():  # a step that fit may still find no room for the copy: then no fraction
@@ -107,7 +127,7 @@ def measure(
             f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3
             for key in ("gather_wait", "sync_wait")
         }
-    largest = {"peak_mib": peak, **clock, **waits}
+    largest = {**peaks, **clock, **waits}
     if dist.is_initialized():  # the largest rank's
         by_rank = gather_to_all(list(largest.values()))
         largest = dict(zip(largest, map(max, zip(*by_rank, strict=True)), strict=True))
@@ -180,7 +200,7 @@ def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torc
         "weights": "float32" if s.fp32_master else args.dtype,
         "model_tflop": flops / 1e12,
         "step_ms": float("nan"),
-        "peak_mib": float("nan"),
+        **dict.fromkeys(PEAKS, float("nan")),
         "mfu": float("nan"),
         "status": "ok",
         "reason": "",
@@ -215,7 +235,7 @@ def fit_rows(cells: list[dict], extrapolate_layers: int, peak: float | None) -> 
                 "per_layer_ms": slope,
                 "intercept_ms": intercept,
                 "step_ms": step_ms,
-                "peak_mib": float("nan"),
+                **dict.fromkeys(PEAKS, float("nan")),
                 "gather_wait_ms": float("nan"),
                 "sync_wait_ms": float("nan"),
                 **dict.fromkeys(CLOCK, float("nan")),

@@ -6,8 +6,10 @@
 Defaults are the leaderboard's model (d_model 4096, d_ff 11,008, 32 heads, vocabulary 151,936, context 32,768) in
 bf16; `--num-layers` sets the depths measured (the leaderboard has 34). Per (stack, depth) one row: a fresh model
 (cs336_systems.training.stacks), `triton.testing.do_bench` of the whole step on CUDA (median, after
-`--warmup-ms`, over `--rep-ms`; wall-clock median of `--steps` steps on the CPU), the allocator's peak, model
-TFLOP and MFU; an out-of-memory cell is an `OOM` row. Then per stack measured at two depths or more, a `fit` row:
+`--warmup-ms`, over `--rep-ms`; wall-clock median of `--steps` steps on the CPU), the allocator's peaks, each
+from its own reset of the peak statistics (`peak_mib`: over the steps after the first, the step's own;
+`build_peak_mib`: the model's build; `first_step_peak_mib`: the first step, where compilation and autotuning
+run), model TFLOP and MFU; an out-of-memory cell is an `OOM` row. Then per stack measured at two depths or more, a `fit` row:
 per-layer time = the least-squares slope of step time over depth, and the extrapolation to
 `--extrapolate-layers` layers = intercept + slope × layers, labelled as such. On one device each cell also gives
 `updated_fraction`, the share of the weights one more step changes (an AdamW update of about the learning rate
@@ -24,7 +26,9 @@ sequences (the leaderboard: 2 GPUs x 1 sequence):
 There `do_bench` (whose step count depends on each rank's own estimate) would let the ranks run different
 numbers of collectives, so every rank runs `--warmup-steps` then `--steps` steps, synchronised after each; a
 step's time is the slowest rank's, the cell's the median. The CUDA allocator uses expandable segments unless
-PYTORCH_CUDA_ALLOC_CONF says otherwise. Peak memory is the largest rank's; `world_size` and the
+PYTORCH_CUDA_ALLOC_CONF says otherwise. A sharded stack's model is built on the meta device and each rank
+initialises only its shards, one layer at a time, as the plain model would be (training.stacks.build_sharded).
+Peak memory is the largest rank's; `world_size` and the
 MFU count every rank's tokens over every rank's GPU. Our FSDP also counts, in the timed steps, the compute
 stream's wait for all-gathers (`gather_wait_ms`) and at the final synchronisation (`sync_wait_ms`): the median
 over steps, the largest rank's.
@@ -179,7 +183,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
                 shown = (
                     "OOM"
                     if result == "OOM"
-                    else f"{result['step_ms']:.1f} ms, peak {result['peak_mib']:.0f} MiB"
+                    else f"{result['step_ms']:.1f} ms, peak {result['peak_mib']:.0f} MiB "
+                    f"(build {result['build_peak_mib']:.0f} MiB)"
                 )
                 if main_rank:
                     print(f"[train_step] {stack} x {num_layers} layers: {shown}", file=sys.stderr, flush=True)

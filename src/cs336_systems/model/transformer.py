@@ -7,7 +7,7 @@ No biases, RoPE on queries and keys, untied input embedding and output head.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -196,6 +196,58 @@ class TransformerLM(nn.Module):
 
     def describe(self) -> dict:
         return {**asdict(self.cfg), "num_parameters": sum(p.numel() for p in self.parameters())}
+
+
+def initial_values(
+    model: TransformerLM, device: torch.device
+) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """For a TransformerLM built on the meta device: the value each of its parameters and buffers would have had
+    if it had been built on `device`, as (its module in `model`, its name there, the value in float32), one
+    top-level child (the embedding, a block, the final norm, the LM head) on `device` at a time. After the same
+    torch.manual_seed, equal to the plain model's, because the same random draws run in the same order: every
+    child's construction (nn.Linear's and nn.Embedding's own initialisation, overwritten but drawn), then
+    `_init_weights` child by child (`apply`'s order). A child rebuilt for its values is constructed under a
+    forked RNG, so it draws nothing from the run's. The children are read now: wrappers may replace them after
+    (a compiled block keeps the block, whose parameters a sharding wrapper then replaces)."""
+    cfg, children = model.cfg, dict(model.named_children())
+    # TransformerLM.__init__'s children, in its order
+    makers = [
+        ("embedding", lambda: nn.Embedding(cfg.vocab_size, cfg.d_model)),
+        *((f"blocks.{i}", lambda: TransformerBlock(cfg)) for i in range(cfg.num_layers)),
+        ("final_norm", lambda: RMSNorm(cfg.d_model)),
+        ("lm_head", lambda: nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)),
+    ]
+    targets = [
+        children["blocks"][int(name[7:])] if name.startswith("blocks.") else children[name]
+        for name, _ in makers
+    ]
+    forked = (
+        [device.index if device.index is not None else torch.cuda.current_device()]
+        if device.type == "cuda"
+        else []
+    )
+
+    def values() -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+        with torch.device(device):
+            for _, make in makers:  # the construction's draws
+                make()
+            for (_, make), target in zip(makers, targets, strict=True):
+                with torch.random.fork_rng(devices=forked):
+                    child = make()
+                child.apply(_init_weights)
+                yield from _tensors(child, target)
+                del child  # before the next one is built
+
+    return values()
+
+
+def _tensors(built: nn.Module, target: nn.Module) -> Iterator[tuple[nn.Module, str, torch.Tensor]]:
+    """Every parameter and buffer of `built` as (the same module in `target`, its name, the tensor)."""
+    for name, module in built.named_modules():
+        owner = target.get_submodule(name)
+        for attr, value in [*module._parameters.items(), *module._buffers.items()]:
+            if value is not None:
+                yield owner, attr, value.detach()
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -58,6 +58,12 @@ the global batch with `gradient_divide_factor=1` at any world size. Units must t
 their tensor inputs and return one tensor with it; a module that holds replicated parameters and also contains
 sharded layers, and activation checkpointing, are refused.
 
+**A model built on the meta device** (`device` given): each sharded weight gets only its shard on `device`, the
+rest of the model (norms, buffers) its full tensors there, all uninitialised and nothing broadcast; then
+`set_full_value(module, name, value)` for every parameter and buffer, one at a time, keeps this rank's chunk of a
+sharded weight. So a rank never holds more than its shards and whatever full value it is handed (the 2026
+leaderboard's stacks hand one layer at a time: cs336_systems.model.transformer.initial_values).
+
 At world size 1 there is nothing to communicate: a "gather" is the cast into the buffer and the gradient is
 the shard's, with the same buffers, hooks and freeing (so one GPU measures the machinery's own cost).
 
@@ -124,27 +130,44 @@ class _ShardedWeight:
     """One layer's weight: its shard (a Parameter of the layer, in the weight's dtype) and the full weight's
     buffer."""
 
-    def __init__(self, name: str, layer: nn.Module, rank: int, world: int, compute_dtype: torch.dtype):
+    def __init__(
+        self,
+        name: str,
+        layer: nn.Module,
+        rank: int,
+        world: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+    ):
         weight = layer.weight
         self.name, self.layer, self.shape, self.numel = name, layer, weight.shape, weight.numel()
         self.rank, self.world = rank, world
         self.shard_numel = math.ceil(self.numel / world)
-        padded = torch.zeros(self.shard_numel * world, dtype=weight.dtype, device=weight.device)
-        padded[: self.numel] = weight.detach().reshape(-1)
-        self.shard = nn.Parameter(self.own_chunk(padded).clone())
+        # a weight on the meta device gets its shard on `device`, zeros until set_full
+        self.shard = nn.Parameter(torch.zeros(self.shard_numel, dtype=weight.dtype, device=device))
+        if not weight.is_meta:
+            self.set_full(weight.detach())
         layer._parameters["weight"] = (
             self.shard
         )  # the layer's parameter is now its shard, under the same name
         # The gathered weight: a flat buffer (what the all-gather writes) and `full`, a leaf tensor on the same
         # storage with its own version counter, which the layer computes with and autograd saves; the storage is
         # freed between uses (resized to 0) and refilled before the backward reads it again.
-        self.buffer = torch.empty(self.shard_numel * world, dtype=compute_dtype, device=weight.device)
-        self.full = torch.empty(0, dtype=compute_dtype, device=weight.device)
+        self.buffer = torch.empty(self.shard_numel * world, dtype=compute_dtype, device=device)
+        self.full = torch.empty(0, dtype=compute_dtype, device=device)
         self.full.set_(self.buffer.untyped_storage(), 0, self.shape)
         self.full.requires_grad_(True)
         self.local = self.own_chunk(self.buffer)  # this rank's chunk
         self.free()
         self.gather_work: dist.Work | None = None
+
+    @torch.no_grad()
+    def set_full(self, value: torch.Tensor) -> None:
+        """The shard from the full weight `value` (cast to the shard's dtype): this rank's chunk of it; the last
+        rank's padding stays zero."""
+        start = min(self.numel, self.rank * self.shard_numel)
+        mine = value.reshape(-1)[start : start + self.shard_numel]
+        self.shard[: mine.numel()].copy_(mine)
 
     def own_chunk(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a flat tensor of the padded weight's size."""
@@ -220,6 +243,17 @@ def _broadcast_from_rank0(module: nn.Module) -> None:
             dist.broadcast(tensor, src=0)
 
 
+def _materialise(module: nn.Module, device: torch.device) -> None:
+    """Every parameter and buffer of `module` still on the meta device, allocated on `device` (uninitialised)."""
+    for owner in module.modules():
+        for name, p in owner._parameters.items():
+            if p is not None and p.is_meta:
+                owner._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+        for name, b in owner._buffers.items():
+            if b is not None and b.is_meta:
+                owner._buffers[name] = torch.empty_like(b, device=device)
+
+
 class FullyShardedDataParallel(nn.Module):
     def __init__(
         self,
@@ -229,6 +263,7 @@ class FullyShardedDataParallel(nn.Module):
         units: Iterable[nn.Module] = (),
         exact: bool = False,
         gradient_divide_factor: float | None = None,
+        device: torch.device | None = None,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -239,9 +274,14 @@ class FullyShardedDataParallel(nn.Module):
             raise ValueError(f"prefetch_distance must be >= 1, got {prefetch_distance}")
         if gradient_divide_factor is not None and gradient_divide_factor <= 0:
             raise ValueError(f"gradient_divide_factor must be positive, got {gradient_divide_factor}")
+        on_meta = any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+        if on_meta and device is None:
+            raise ValueError("a module on the meta device needs `device`, where its shards are to be")
         if dist.get_backend() == "nccl":
             on_cpu = [
-                name for name, t in [*module.named_parameters(), *module.named_buffers()] if not t.is_cuda
+                name
+                for name, t in [*module.named_parameters(), *module.named_buffers()]
+                if not t.is_cuda and not t.is_meta
             ]
             if on_cpu:
                 raise ValueError(
@@ -253,7 +293,8 @@ class FullyShardedDataParallel(nn.Module):
         self.compute_dtype, self.exact = compute_dtype, exact
         # gradients are summed over ranks, then divided by this (the world size: their average)
         self.divide_factor = float(gradient_divide_factor or self.world)
-        _broadcast_from_rank0(module)
+        if not on_meta:
+            _broadcast_from_rank0(module)
 
         unit_of = self._unit_modules(module, list(units))
         self.weights: list[_ShardedWeight] = []
@@ -273,7 +314,10 @@ class FullyShardedDataParallel(nn.Module):
             if layer.weight.requires_grad:
                 dtype = compute_dtype or layer.weight.dtype
                 grouped.setdefault(unit_of.get(layer, layer), []).append(len(self.weights))
-                self.weights.append(_ShardedWeight(name, layer, self.rank, self.world, dtype))
+                where = device if layer.weight.is_meta else layer.weight.device
+                self.weights.append(_ShardedWeight(name, layer, self.rank, self.world, dtype, where))
+        self._weight_of = {id(w.layer): w for w in self.weights}
+        _materialise(module, device)  # the rest of a meta module: replicated parameters (norms), buffers
         self.units: list[tuple[nn.Module, list[int]]] = list(grouped.items())
         sharded = {id(w.shard) for w in self.weights}
         self.replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in sharded]
@@ -669,6 +713,17 @@ class FullyShardedDataParallel(nn.Module):
         self._bytes = dict.fromkeys(self._bytes, 0.0)  # a new dict: the last step's stays with its record
 
     # --------------------------------------------------------------------------------------------- full state
+
+    @torch.no_grad()
+    def set_full_value(self, owner: nn.Module, name: str, value: torch.Tensor) -> None:
+        """Initialise parameter or buffer `name` of `owner` (a module inside the wrapped one, as a module built on
+        the meta device is) from its full value, cast to its dtype: a sharded weight keeps this rank's chunk,
+        anything else the whole value. Nothing is communicated: every rank must pass the same values."""
+        weight = self._weight_of.get(id(owner)) if name == "weight" else None
+        if weight is not None:
+            weight.set_full(value)
+        else:
+            getattr(owner, name).copy_(value)
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:

@@ -17,7 +17,9 @@ A stack says how the same model is run (`STACKS`):
 - `*_fsdp`: the stack sharded over the ranks of the process group, each rank training on its own sequences:
   `native_fsdp` with PyTorch's FSDP2 (`fully_shard` on every block, the head and the root), `ours_fsdp` with our
   FullyShardedDataParallel (a compiled block, the head and the embedding as units, hooks outside the compiled
-  code; cs336_systems.parallel.fsdp), `plain_fsdp` the naive baseline under ours.
+  code; cs336_systems.parallel.fsdp), `plain_fsdp` the naive baseline under ours. Their model is built on the
+  meta device and sharded, then each rank initialises its shards one layer at a time with the plain model's
+  initial weights from the same seed (`build_sharded`): no GPU holds the whole model.
 Weights, gradients and AdamW state are in the run's dtype (bf16 in the leaderboard's config), sharded or not,
 except under `fp32_master`.
 The model runs as a `LossModel` (tokens, targets -> summed loss), whose `head` module holds the LM head and the
@@ -40,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cs336_systems.measure.profiling import MATMUL, profile_step
 from cs336_systems.model import checkpointing
-from cs336_systems.model.transformer import ModelConfig, TransformerLM
+from cs336_systems.model.transformer import ModelConfig, TransformerLM, initial_values
 from cs336_systems.parallel.fsdp import FullyShardedDataParallel
 from cs336_systems.training.workload import TrainingStep
 
@@ -227,18 +229,65 @@ def build_model(
 ) -> LossModel:
     """The model of `dims` (LEADERBOARD's keys) in `dtype` (float32 under `fp32_master`) on `device` (built there:
     an 8B model's fp32 initialisation would take minutes on the CPU), its blocks run as the stack says."""
+    return as_loss_model(
+        new_lm(stack, dims, device, dtype, compile_blocks), stack, compile_blocks, head_chunk
+    )
+
+
+def new_lm(
+    stack: Stack, dims: dict, device: torch.device, dtype: torch.dtype, compile_blocks: bool
+) -> TransformerLM:
+    """The TransformerLM of `dims` built on `device` in `dtype` (float32 under `fp32_master`); its config checkpoints
+    the blocks unless a compiled block does it itself (selective checkpointing)."""
     selective = stack.checkpoint in checkpointing.SELECTIVE and compile_blocks
     cfg = ModelConfig(**dims, attention=stack.attention, checkpoint="none" if selective else stack.checkpoint)
     with torch.device(device):
-        lm = TransformerLM(cfg).to(dtype=torch.float32 if stack.fp32_master else dtype)
+        return TransformerLM(cfg).to(dtype=torch.float32 if stack.fp32_master else dtype)
+
+
+def as_loss_model(lm: TransformerLM, stack: Stack, compile_blocks: bool, head_chunk: int) -> LossModel:
+    """`lm` run as the stack says: each block compiled (with its selective checkpoint), as a LossModel."""
     if compile_blocks:
+        selective = stack.checkpoint in checkpointing.SELECTIVE
         blocks = [_CheckpointedBlock(b, stack.checkpoint) if selective else b for b in lm.blocks]
         lm.blocks = nn.ModuleList(torch.compile(b) for b in blocks)
     return LossModel(lm, stack.head, head_chunk)
 
 
-def shard(model: LossModel, sharding: str) -> nn.Module:
-    """The model sharded over the process group's ranks as `sharding` says (SHARDINGS); `none` returns it."""
+def build_sharded(
+    stack: Stack, dims: dict, device: torch.device, dtype: torch.dtype, compile_blocks: bool, head_chunk: int
+) -> nn.Module:
+    """The model sharded over the process group's ranks as the stack says, never whole on any rank: built on the
+    meta device, sharded (each rank allocates its shards on `device`), then every parameter and buffer set from
+    the plain model's initial values, one layer at a time (transformer.initial_values: the plain model's draws
+    from the same seed, so the same weights), each rank keeping its shard. A rank holds its shards and at most
+    one of the model's top-level children (the embedding, a block or the LM head) whole, in float32 as the plain
+    model draws it, with one of its weights cast to `dtype`."""
+    lm = new_lm(stack, dims, torch.device("meta"), dtype, compile_blocks)
+    values = initial_values(lm, device)  # its children now, before they are compiled or moved
+    model = shard(as_loss_model(lm, stack, compile_blocks, head_chunk), stack.sharding, device)
+    set_value = model.set_full_value if isinstance(model, FullyShardedDataParallel) else _set_fsdp2_value
+    for owner, name, value in values:
+        set_value(owner, name, value)
+        del value  # before the next child is built
+    return model
+
+
+@torch.no_grad()
+def _set_fsdp2_value(owner: nn.Module, name: str, value: torch.Tensor) -> None:
+    """A parameter (a DTensor sharded by FSDP2: this rank's chunk of `value`) or buffer set from its full value."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    target = getattr(owner, name)
+    value = value.to(target.dtype)
+    if isinstance(target, DTensor):  # src_data_rank None: each rank chunks its own copy, nothing is sent
+        value = distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    target.copy_(value)
+
+
+def shard(model: LossModel, sharding: str, device: torch.device) -> nn.Module:
+    """The model sharded over the process group's ranks as `sharding` says (SHARDINGS), its shards on `device`
+    (a model on the meta device: uninitialised there); `none` returns it."""
     if sharding == "none":
         return model
     if not dist.is_available() or not dist.is_initialized():
@@ -247,14 +296,15 @@ def shard(model: LossModel, sharding: str) -> nn.Module:
         )
     units = [*model.lm.blocks, model.head]
     if sharding == "ours":
-        return FullyShardedDataParallel(model, units=units)
+        return FullyShardedDataParallel(model, units=units, device=device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for unit in units:
         fully_shard(unit, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    sharded = fully_shard(model, mesh=mesh)
+    return sharded.to_empty(device=device) if any(p.is_meta for p in sharded.parameters()) else sharded
 
 
 def build_step(
@@ -267,14 +317,13 @@ def build_step(
     head_chunk: int = 8192,
     seed: int = 0,
 ) -> TrainingStep:
-    """The spec's train_step for one stack, as the one TrainingStep: the model built and sharded as the stack
-    says, its AdamW, and a fixed batch of random tokens (`batch_size` sequences on this rank; under a sharded stack
-    each rank draws its own, from seed + rank); the loss is the model's own (summed cross-entropy)."""
+    """The spec's train_step for one stack, as the one TrainingStep: the model built as the stack says (a sharded
+    stack's on the meta device, then each rank's shards initialised as the plain model's weights: build_sharded),
+    its AdamW, and a fixed batch of random tokens (`batch_size` sequences on this rank; under a sharded stack each
+    rank draws its own, from seed + rank); the loss is the model's own (summed cross-entropy)."""
     torch.manual_seed(seed)
-    model = shard(
-        build_model(stack, dims, device, dtype, compile_blocks and stack.compile_blocks, head_chunk),
-        stack.sharding,
-    )
+    make = build_model if stack.sharding == "none" else build_sharded
+    model = make(stack, dims, device, dtype, compile_blocks and stack.compile_blocks, head_chunk)
     if (
         stack.optimizer == "ours"
     ):  # imported here: it imports triton, which must not come before the CLI's mode
