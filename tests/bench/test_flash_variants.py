@@ -97,3 +97,52 @@ def test_do_bench_flags_reject_bad_times():
     for argv in (["--rep-ms", "0"], ["--warmup-ms", "-1"]):
         with pytest.raises(SystemExit):
             p.parse_args(argv)
+
+
+def test_tier_names_ours_and_not_pytorchs():
+    q = torch.randn(1, 8, 16)
+    assert bench.tier("sdpa_cudnn", q) == bench.tier("pytorch_naive", q) == bench.PYTORCH_TIER == "pytorch"
+    if not torch.cuda.is_available():  # ours run the portable Triton kernels in the interpreter
+        assert bench.tier("triton", q) == bench.tier("triton_compiled", q) == "portable"
+
+
+@pytest.mark.parametrize("impl", ["triton", "triton_op"])
+def test_host_steps_are_the_passes_they_name(impl):
+    q, k, v = (t.detach().float().requires_grad_() for t in qkv(1, 9, 16))
+    do = torch.randn(1, 9, 16)
+    attend = bench.attention(impl, 9, torch.device("cpu"))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(bench.host_step(attend, "forward", q, k, v, do)(), expected)
+    grads = bench.host_step(attend, "forward_backward", q, k, v, do)()
+    expected_grads = torch.autograd.grad(expected, (q, k, v), do)
+    torch.testing.assert_close(grads, expected_grads, atol=1e-5, rtol=1e-5)
+    assert q.grad is None  # nothing accumulates from call to call
+    with pytest.raises(ValueError, match="pass must be one of"):
+        bench.host_step(attend, "backward", q, k, v, do)
+
+
+def test_host_time_counts_calls_and_reports_microseconds_per_call():
+    calls = []
+    times = bench.host_time_us(lambda: calls.append(1), torch.device("cpu"), calls=7, repeats=3)
+    assert len(calls) == 1 + 7 * 3  # one untimed call first (compiling, tuning), then the runs
+    assert 0 < times["host_us"] <= times["wall_us"] < 1e5
+
+
+@pytest.mark.parametrize("name", bench.EMPTY_KERNELS)
+def test_empty_kernel_launches_run(name):
+    launch = bench.empty_launch(name, torch.device("cpu"))
+    for _ in range(3):  # the cached one goes through Triton once, then launches directly
+        launch()
+
+
+def test_host_overhead_table_has_a_line_per_row():
+    rows = [
+        {"impl": "empty_triton_kernel", "tier": None, "pass": "launch", "host_us": 9.8, "wall_us": 10.1,
+         "status": "ok"},
+        {"impl": "triton", "tier": "portable", "pass": "forward", "seq_len": 128, "host_us": None,
+         "wall_us": None, "status": "skipped"},
+    ]  # fmt: skip
+    lines = bench.host_overhead_table(rows).splitlines()
+    assert len(lines) == 2 + 2 and "host_us" in lines[0]
+    assert lines[2].split() == ["empty_triton_kernel", "-", "launch", "-", "9.8", "10.1", "ok"]
+    assert lines[3].split() == ["triton", "portable", "forward", "128", "-", "-", "skipped"]

@@ -308,6 +308,7 @@ def test_flash_benchmark_checks_our_kernels_in_the_interpreter_without_cuda(tmp_
     rows = pd.read_csv(out)
     assert len(rows) == 2 * 2 * 2  # dtypes x seq lens x (forward, backward), ours alone, nothing timed
     assert set(rows["impl"]) == {"triton"} and rows["interpreted"].all() and rows["ms"].isna().all()
+    assert set(rows["tier"]) == {"portable"}  # the tier that ran, as flash_tiers chose it on the CPU
     assert set(rows["status"]) == {"ok"}, rows[["dtype", "seq_len", "pass", "status", "rel_err"]]
     assert (rows["rel_err"] <= rows["tolerance"]).all()
     assert set(rows["tolerance"]) == {1e-5, 3e-2}
@@ -338,6 +339,26 @@ def test_leaderboard_writes_skipped_rows_without_cuda(tmp_path):
     rows = pd.read_csv(out)
     assert set(rows["status"]) == {"skipped"} and set(rows["reason"]) == {"needs CUDA"}
     assert {"triton_compiled", "sdpa_flash", "sdpa_cudnn"} <= set(rows["impl"])
+    assert "tier" in rows.columns and rows["tier"].isna().all()  # nothing ran
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the GPU benchmarks")
+@launches_kernels
+def test_flash_benchmark_host_overhead_without_cuda_writes_skipped_rows(tmp_path, capsys):
+    from cs336_systems.experiments import flash_benchmark
+
+    out = tmp_path / "host.csv"
+    argv = ["--host-overhead", "--seq-lens", "32", "64", "--d-heads", "16", "--dtypes", "float32"]
+    flash_benchmark.main([*argv, "--impls", "triton", "triton_op", "sdpa", "--calls", "5", "--out", str(out)])
+    rows = pd.read_csv(out)
+    assert len(rows) == 2 + 2 * 3 * 2  # two empty-kernel launches; seq lens x impls x (forward, fwd+bwd)
+    assert set(rows["status"]) == {"skipped"} and (rows["calls"] == 5).all()
+    empty = rows["impl"].str.startswith("empty")
+    assert rows[empty]["tier"].isna().all()  # no tier's kernels, only a launch
+    tiers = rows[~empty].groupby("impl")["tier"].agg(set).to_dict()
+    assert tiers == {"triton": {"portable"}, "triton_op": {"portable"}, "sdpa": {"pytorch"}}
+    table = capsys.readouterr().out
+    assert "host_us" in table and "triton_op" in table and table.count("skipped") == len(rows)
 
 
 def fake_do_bench(fn, warmup=25, rep=100, grad_to_none=None, quantiles=None, return_mode="mean"):
@@ -363,6 +384,9 @@ def test_flash_benchmark_cell_runs_every_pass_on_cpu(monkeypatch):
     rows = pd.DataFrame(flash_benchmark.run_cell(args, "float32", 16, 40, torch.device("cpu")))
     assert len(rows) == 9 and set(rows["status"]) == {"ok"}, rows[["impl", "pass", "status", "error"]]
     assert (rows["max_abs_diff_vs_sdpa"] < 1e-5).all()
+    assert rows.groupby("impl")["tier"].agg(set).to_dict() == {
+        "triton": {"portable"}, "pytorch_naive": {"pytorch"}, "sdpa": {"pytorch"}
+    }  # fmt: skip
 
 
 @launches_kernels
@@ -398,6 +422,8 @@ def test_leaderboard_measurements_run_on_cpu(monkeypatch):
     rows = pd.DataFrame(leaderboard.measure_all(args, {}, torch.device("cpu"))).set_index(["impl", "pass"])
     ours = rows.loc[["triton_compiled", "triton"]]
     assert set(ours["status"]) == {"ok"}, ours[["status", "error"]]
+    assert set(ours["tier"]) == {"portable"}
+    assert set(rows.loc[["sdpa_flash", "sdpa_cudnn"], "tier"]) == {"pytorch"}
     assert (ours["max_abs_diff_vs_sdpa"] < 2e-2).all()  # bf16
     fwd_bwd = rows.loc[("triton", "forward_backward")]
     assert fwd_bwd["tflops"] == pytest.approx(3.5 * 4 * 40**2 * 16 * 2 / 2 / 1e-3 / 1e12)

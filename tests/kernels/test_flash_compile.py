@@ -81,6 +81,9 @@ def test_operators_pass_opcheck():
     torch.library.opcheck(flash_attention_forward, (q.requires_grad_(), k.requires_grad_(), v, True))
     o, lse = flash_attention_forward(q.detach(), k.detach(), v, True)
     torch.library.opcheck(flash_attention_backward, (q.detach(), k.detach(), v, o, do, lse, True))
+    # A forced kernel tier is an argument of both operators (the one tier that runs here: portable).
+    torch.library.opcheck(flash_attention_forward, (q, k, v, True, "portable"))
+    torch.library.opcheck(flash_attention_backward, (q.detach(), k.detach(), v, o, do, lse, True, "portable"))
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 2, 77, 5, 32), (1, 1, 1, 1, 1, 16), (2, 129, 1000, 128)], ids=str)

@@ -1,6 +1,8 @@
 """Timing attention for the FlashAttention-2 benchmarks (spec §1.3.2-1.3.3): the implementations they compare,
 the step `triton.testing.do_bench` times for each pass, the FLOP convention and the rows of a failure; off the GPU,
-where our kernels run in Triton's CPU interpreter, the check of what they compute against a float64 reference.
+where our kernels run in Triton's CPU interpreter, the check of what they compute against a float64 reference;
+the kernel tier a row's implementation ran (`tier`); and the host time per call (`host_time_us`), which decides
+the time of short sequences, where the GPU finishes a call's kernels faster than the CPU issues them.
 
 An implementation is a function of (q, k, v) of shape (..., seq, d) that returns attention, causal unless it was
 built with `causal=False`. Importing this module does not import triton (a CLI may still choose the interpreter).
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
+import time
 from collections.abc import Callable
 
 import torch
@@ -18,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cs336_systems import cli
-from cs336_systems.measure.timing import is_oom
+from cs336_systems.measure.timing import is_oom, sync
 
 Attention = Callable[[Tensor, Tensor, Tensor], Tensor]
 PASSES = ("forward", "backward", "forward_backward")
@@ -88,17 +92,20 @@ def flex_attention(seq_len: int, device: torch.device, causal: bool = True) -> A
 
 def attention(impl: str, seq_len: int, device: torch.device, causal: bool = True) -> Attention:
     """The implementation named `impl`: `triton` (ours, eager), `triton_compiled` (ours under torch.compile),
-    `pytorch_naive`, `flex` (FlexAttention, compiled on the GPU), `sdpa`, or SDPA pinned to one backend,
-    `sdpa_flash` or `sdpa_cudnn`."""
+    `triton_op` (ours eagerly through the torch.library operators that torch.compile calls, where `triton` calls the
+    kernels directly), `pytorch_naive`, `flex` (FlexAttention, compiled on the GPU), `sdpa`, or SDPA pinned to one
+    backend, `sdpa_flash` or `sdpa_cudnn`. Ours run the tier `tier(impl, q)` names ($CS336_FLASH_TIER forces one)."""
     from torch.nn.attention import SDPBackend
 
-    from cs336_systems.kernels.flash_attention import FlashAttentionTriton
+    from cs336_systems.kernels.flash_attention import FlashAttentionTriton, flash_attention_forward
 
     if impl == "triton":
         return lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal)
     if impl == "triton_compiled":
         compiled = torch.compile(FlashAttentionTriton.apply)
         return lambda q, k, v: compiled(q, k, v, causal)
+    if impl == "triton_op":  # the operator's own autograd formula runs the backward operator
+        return lambda q, k, v: flash_attention_forward(q, k, v, causal)[0]
     if impl == "pytorch_naive":
         return naive_attention(seq_len, device, causal)
     if impl == "flex":
@@ -111,6 +118,20 @@ def attention(impl: str, seq_len: int, device: torch.device, causal: bool = True
     if impl not in backends:
         raise ValueError(f"unknown attention implementation {impl!r}")
     return sdpa_attention(backends[impl], causal)
+
+
+# The tier column of PyTorch's attention (not "n/a", which pandas reads back as a missing value).
+PYTORCH_TIER = "pytorch"
+
+
+def tier(impl: str, q: Tensor, causal: bool = True) -> str:
+    """The kernel tier that runs `impl` on inputs like `q`: for ours (`triton*`) as `flash_tiers.tier_for` names it,
+    PYTORCH_TIER for PyTorch's attention."""
+    if not impl.startswith("triton"):
+        return PYTORCH_TIER
+    from cs336_systems.kernels import flash_tiers
+
+    return flash_tiers.tier_for(q, causal)
 
 
 def max_abs_diff(attend: Attention, q: Tensor, k: Tensor, v: Tensor, expected: Tensor) -> float:
@@ -167,6 +188,71 @@ def pass_step(attend: Attention, pass_name: str, q: Tensor, k: Tensor, v: Tensor
 
         return forward_backward
     raise ValueError(f"pass must be one of {PASSES}, got {pass_name!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host overhead: the CPU's time per call, apart from the GPU's.
+# ----------------------------------------------------------------------------------------------------------
+HOST_PASSES = ("forward", "forward_backward")
+EMPTY_KERNELS = ("empty_triton_kernel", "empty_triton_kernel_cached")  # the floor of a launch, two ways
+
+
+def host_step(attend: Attention, pass_name: str, q: Tensor, k: Tensor, v: Tensor, do: Tensor) -> Callable:
+    """One call of a pass as training issues it: the forward (recording the graph), or the forward and its backward
+    through `torch.autograd.grad` (no gradient accumulates from call to call)."""
+    if pass_name == "forward":
+        return lambda: attend(q, k, v)
+    if pass_name == "forward_backward":
+        return lambda: torch.autograd.grad(attend(q, k, v), (q, k, v), do)
+    raise ValueError(f"pass must be one of {HOST_PASSES}, got {pass_name!r}")
+
+
+def empty_launch(name: str, device: torch.device) -> Callable:
+    """A launch of a Triton kernel that does nothing, through Triton's own dispatch (`empty_triton_kernel`) or the
+    launch cache our kernels use after their first call (`empty_triton_kernel_cached`)."""
+    from cs336_systems.kernels import flash_triton
+
+    x = torch.empty(16, device=device)
+    if name == "empty_triton_kernel":
+        return lambda: flash_triton.empty_kernel[(1,)](x)
+    if name == "empty_triton_kernel_cached":
+        launcher = flash_triton.CachedLaunch(flash_triton.empty_kernel)
+        return lambda: launcher((), (1,), (x,), dict)
+    raise ValueError(f"empty kernel launch must be one of {EMPTY_KERNELS}, got {name!r}")
+
+
+def host_time_us(step: Callable, device: torch.device, calls: int, repeats: int) -> dict[str, float]:
+    """Per call, the medians over `repeats` runs of `calls` calls: `host_us`, the CPU's time to issue them (no
+    synchronisation inside the run), and `wall_us`, until the device finished them too. Keep calls x launches per
+    call below the launch queue's depth (about a thousand) so that the host never waits for the device: then
+    host_us is the host's own cost, and wall_us close to host_us says that the host, not the GPU, is the limit."""
+    step()  # compiled, tuned and cached before timing
+    host, wall = [], []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        issued = time.perf_counter()
+        sync(device)
+        done = time.perf_counter()
+        host.append((issued - start) / calls * 1e6)
+        wall.append((done - start) / calls * 1e6)
+    return {"host_us": statistics.median(host), "wall_us": statistics.median(wall)}
+
+
+def host_overhead_table(rows: list[dict]) -> str:
+    """The rows of a host-overhead run as a text table: host and wall microseconds per call."""
+    head = f"{'impl':28} {'tier':9} {'pass':17} {'seq_len':>7} {'host_us':>9} {'wall_us':>9}  status"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        host, wall = (f"{r[c]:9.1f}" if r.get(c) is not None else f"{'-':>9}" for c in ("host_us", "wall_us"))
+        seq = r.get("seq_len")
+        lines.append(
+            f"{r['impl']:28} {r.get('tier') or '-':9} {r['pass']:17} {seq if seq is not None else '-':>7} "
+            f"{host} {wall}  {r['status']}"
+        )
+    return "\n".join(lines)
 
 
 def add_do_bench_args(p: argparse.ArgumentParser, warmup_ms: int, rep_ms: int, note: str = "") -> None:

@@ -6,7 +6,8 @@ sequence length: `--warmup` untimed passes, then `--passes` timed forward passes
 training) and `--passes` timed backward passes (each after an untimed forward), synchronising after each.
 Memory (CUDA only): allocated right before `out.backward(dO)`, the peak of the forward and of the backward
 pass, and beside them the formulas of `cs336_systems.accounting.attention_memory`. One row per timed pass; a cell that
-runs out of memory gives one `OOM` row for the phase that failed.
+runs out of memory gives one `OOM` row for the phase that failed. `tier` is "pytorch" in every row: the kernel
+tier column of the FlashAttention benchmarks, for PyTorch's attention.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def cell_rows(args: argparse.Namespace, variant: str, d: int, seq: int, device: 
     formula = naive_attention_memory(args.batch_size, seq, d, dtype.itemsize)
     base = {
         "variant": variant,
+        "tier": "pytorch",
         "batch_size": args.batch_size,
         "d": d,
         "seq_len": seq,

@@ -7,6 +7,7 @@ Rows:
 - `triton_compiled` forward_backward: the leaderboard number;
 - `triton` (eager autograd Function) forward, backward and forward_backward: where the time goes;
 - `sdpa_flash`, `sdpa_cudnn` forward_backward: `scaled_dot_product_attention` pinned to one backend.
+Each row's `tier` is the kernel tier ours ran (`flash_tiers`; $CS336_FLASH_TIER forces one), "pytorch" for SDPA's.
 TFLOP/s counts causal attention FLOPs: forward 4 * N^2 * d * heads / 2 (the two matmuls over the unmasked
 half), backward 2.5x forward, forward + backward 3.5x forward. Without CUDA every row is `skipped`.
 """
@@ -53,7 +54,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         "flop_convention": bench.FLOP_CONVENTION,
     }
     if not torch.cuda.is_available():
-        return [{**base, "impl": impl, "pass": p, **bench.skipped_without_cuda()} for impl, p in MEASUREMENTS]
+        skipped = bench.skipped_without_cuda()
+        return [{**base, "impl": impl, "tier": None, "pass": p, **skipped} for impl, p in MEASUREMENTS]
     return measure_all(args, base, torch.device("cuda"))
 
 
@@ -76,10 +78,12 @@ def measure_all(args: argparse.Namespace, base: dict, device: torch.device) -> l
         row = {
             **base,
             "impl": impl,
+            "tier": None,
             "pass": pass_name,
             "max_abs_diff_vs_sdpa": diff if impl.startswith("triton") else None,
         }
         try:
+            row["tier"] = bench.tier(impl, q)
             # As in the spec's test: the gradient of o.sum(), no gradient reset between calls.
             step = bench.pass_step(bench.attention(impl, args.seq_len, device), pass_name, q, k, v, do=None)
             times = do_bench(step, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="all")

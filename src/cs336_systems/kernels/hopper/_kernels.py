@@ -1,0 +1,436 @@
+"""Gluon kernels of the Hopper FlashAttention tier (imported lazily by `flash_attention.py`: needs gluon).
+
+See `flash_attention.py` for the design; this module holds only the kernels and their layouts.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@gluon.constexpr_function
+def mma_layout(num_warps, n):
+    """The wgmma accumulator layout of an (M x n) tile: warps stacked along M (16 rows per warp, 64 per
+    warpgroup), one instruction n wide (n <= 256)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+# fmt: off
+# ----------------------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _fwd_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, q_start, n_tiles,
+              BN: gl.constexpr, STAGES: gl.constexpr, N_CONS: gl.constexpr):
+    """Producer partition (one warp): each consumer's 64 rows of Q once, then K and V of each key tile into a
+    STAGES-deep ring. K and V have their own barriers so that Q K^T of a tile can start before its V has landed;
+    a stage is free once every consumer warpgroup has arrived on its 'empty' barrier (count N_CONS)."""
+    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
+    Q_BYTES: gl.constexpr = q_desc.block_type.nbytes * N_CONS
+    mbarrier.expect(q_bar, Q_BYTES)
+    for w in gl.static_range(N_CONS):
+        tma.async_copy_global_to_shared(q_desc, [batch, q_start + w * 64, 0], q_bar, q_smem.index(w))
+    for i in range(n_tiles):
+        stage = i % STAGES
+        phase = (i // STAGES) & 1
+        # A fresh barrier counts as having completed the phase before phase 0: the first lap does not wait.
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, i * BN, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, i * BN, 0], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _masked_scores(s, tile, row_start, n_unmasked, N_KEYS, IS_CAUSAL: gl.constexpr, BM: gl.constexpr,
+                   BN: gl.constexpr, s_layout: gl.constexpr):
+    """-inf where a key is past N_KEYS or (causal) after the query; only tiles that need it build the mask."""
+    if (tile >= n_unmasked) | (tile * BN + BN > N_KEYS):
+        cols = tile * BN + gl.arange(0, BN, gl.SliceLayout(0, s_layout))
+        keep = cols[None, :] < N_KEYS
+        if IS_CAUSAL:
+            rows = row_start + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+            keep = keep & (cols[None, :] <= rows[:, None])
+        s = gl.where(keep, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _turn_wait(turn, WG: gl.constexpr, j, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until the previous consumer warpgroup has issued its j-th group of GEMMs (warpgroup 0
+    passes its first wait: a fresh barrier counts as having completed the phase before phase 0)."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn.index(0), (j & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(WG), j & 1)
+
+
+@gluon.jit
+def _turn_pass(turn, WG: gl.constexpr, N_CONS: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index((WG + 1) % N_CONS))
+
+
+@gluon.jit
+def _fwd_consumer(WG: gl.constexpr, args, IS_CAUSAL: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr, N_CONS: gl.constexpr, PINGPONG: gl.constexpr):
+    """One consumer warpgroup (its own partition: its barrier arrivals synchronise only its 128 threads) owning
+    64 query rows: S = Q K^T and O += P V by asynchronous wgmma, the accumulators in registers, online softmax
+    in base 2, then its own epilogue (O through shared memory by TMA, L by a masked store).
+
+    Software pipelined as FlashAttention-3's intra-warpgroup overlap: S of tile i+1 and P V of tile i are both
+    in flight while the softmax of tile i+1 runs; O is rescaled once its wgmma has retired. With PINGPONG the
+    warpgroups take turns issuing their GEMMs (mbarriers 'turn'), so that one's softmax runs under the other's
+    GEMMs."""
+    q_smem, k_smem, v_smem, bars, o_desc, L_ptr, batch, q_start, n_tiles, n_unmasked, N_QUERIES, N_KEYS, \
+        qk_scale = args
+    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
+    BMW: gl.constexpr = 64
+    s_layout: gl.constexpr = mma_layout(4, BN)
+    o_layout: gl.constexpr = mma_layout(4, D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+    row_start = q_start + WG * BMW
+    q = q_smem.index(WG).reshape([BMW, D])
+    s_zero = gl.zeros([BMW, BN], gl.float32, s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    _turn_wait(turn, WG, 0, PINGPONG)
+    s = warpgroup_mma(q, k_smem.index(0).reshape([BN, D]).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    _turn_pass(turn, WG, N_CONS, PINGPONG)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0))
+    s = _masked_scores(s, 0, row_start, n_unmasked, N_KEYS, IS_CAUSAL, BMW, BN, s_layout)
+    # Tile 0 holds key 0, which every query sees: m_i is finite from here on.
+    m_i = gl.max(s, 1) * qk_scale
+    p = gl.exp2(s * qk_scale - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    acc = gl.zeros([BMW, D], gl.float32, o_layout)
+    for i in range(1, n_tiles):
+        stage = i % STAGES
+        prev = (i - 1) % STAGES
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(k_ready.index(stage), (i // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
+        _turn_wait(turn, WG, i, PINGPONG)
+        s = warpgroup_mma(q, k_smem.index(stage).reshape([BN, D]).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BN, D]), acc, is_async=True)
+        _turn_pass(turn, WG, N_CONS, PINGPONG)
+        s = warpgroup_mma_wait(1, deps=(s,))  # S of tile i has retired; P V of tile i-1 may still run
+        mbarrier.arrive(k_empty.index(stage))
+        s = _masked_scores(s, i, row_start, n_unmasked, N_KEYS, IS_CAUSAL, BMW, BN, s_layout)
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(prev))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    last = (n_tiles - 1) % STAGES
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+    _turn_wait(turn, WG, n_tiles, PINGPONG)
+    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BN, D]), acc, is_async=True)
+    _turn_pass(turn, WG, N_CONS, PINGPONG)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    mbarrier.arrive(v_empty.index(last))
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = (acc / l_o[:, None]).to(dtype)
+    # This warpgroup's Q is spent: its buffer stages O for one TMA store, which clips rows past N_QUERIES.
+    q.store(o)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [batch, row_start, 0], q_smem.index(WG))
+    rows = row_start + gl.arange(0, BMW, m_i.type.layout)
+    lse = (m_i + gl.log2(l_i)) * LN2  # natural-log units
+    gl.store(L_ptr + batch.to(gl.int64) * N_QUERIES + rows, lse, mask=rows < N_QUERIES)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def flash_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L_ptr, N_QUERIES, N_KEYS, qk_scale,
+                     IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                     STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONS_REGS: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """BM = 64 x (consumer warpgroups): the default partition (num_warps = 4) is consumer 0; the others and the
+    producer warp are worker partitions."""
+    N_CONS: gl.constexpr = BM // 64
+    q_tile = gl.program_id(0)
+    if IS_CAUSAL:
+        q_tile = gl.num_programs(0) - 1 - q_tile  # the longest rows first: a shorter tail of the grid
+    batch = gl.program_id(1)
+    q_start = q_tile * BM
+    n_key_tiles = gl.cdiv(N_KEYS, BN)
+    if IS_CAUSAL:
+        n_tiles = gl.minimum(gl.cdiv(q_start + BM, BN), n_key_tiles)
+        n_unmasked = q_start // BN  # key tiles wholly at or before the tile's first query
+    else:
+        n_tiles = n_key_tiles
+        n_unmasked = n_key_tiles
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [N_CONS, 1, 64, D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [N_CONS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=N_CONS)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(v_empty.index(s), count=N_CONS)
+    for w in gl.static_range(N_CONS):
+        mbarrier.init(turn.index(w), count=1)
+    bars = (q_bar, k_ready, k_empty, v_ready, v_empty, turn)
+
+    args = (q_smem, k_smem, v_smem, bars, o_desc, L_ptr, batch, q_start, n_tiles, n_unmasked, N_QUERIES, N_KEYS,
+            qk_scale)
+    if N_CONS == 2:
+        gl.warp_specialize([
+            (_fwd_consumer, (0, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
+            (_fwd_consumer, (1, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
+            (_fwd_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, q_start, n_tiles, BN, STAGES, N_CONS)),
+        ], [4, 1], [CONS_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_fwd_consumer, (0, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
+            (_fwd_consumer, (1, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
+            (_fwd_consumer, (2, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
+            (_fwd_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, q_start, n_tiles, BN, STAGES, N_CONS)),
+        ], [4, 4, 1], [CONS_REGS, CONS_REGS, 24])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Backward: one program per key tile computes its dK, dV over the query tiles in registers and adds each query
+# tile's share of dQ into a float32 buffer with atomics. Delta = rowsum(O * dO) comes from a preprocessing
+# kernel. Everything is in transposed (key x query) form, so that the key tile is the wgmma M dimension.
+# ----------------------------------------------------------------------------------------------------------
+@gluon.jit
+def _bwd_load(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem, lse_smem,
+              delta_smem, bars, batch, k_start, first_tile, n_tiles, BM: gl.constexpr, STAGES: gl.constexpr):
+    """Producer partition (one warp): K, V of the program's key tile once, then Q, dO, L and Delta of each
+    query tile into a STAGES-deep ring (Q with L and Delta on one barrier, dO on another; one 'empty' barrier)."""
+    kv_bar, q_ready, do_ready, qdo_empty = bars
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, k_start, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [batch, k_start, 0], kv_bar, v_smem)
+    for i in range(n_tiles):
+        stage = i % STAGES
+        phase = (i // STAGES) & 1
+        q_start = (first_tile + i) * BM
+        mbarrier.wait(qdo_empty.index(stage), phase ^ 1)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + 2 * lse_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, q_start, 0], q_ready.index(stage), q_smem.index(stage))
+        tma.async_copy_global_to_shared(lse_desc, [batch, q_start], q_ready.index(stage), lse_smem.index(stage))
+        tma.async_copy_global_to_shared(delta_desc, [batch, q_start], q_ready.index(stage), delta_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [batch, q_start, 0], do_ready.index(stage), do_smem.index(stage))
+
+
+@gluon.jit
+def _bwd_mma(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, bars, dQ_ptr, batch, k_start,
+             first_tile, n_tiles, N_QUERIES, N_KEYS, qk_scale, IS_CAUSAL: gl.constexpr, BM: gl.constexpr,
+             BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, DQ_VEC: gl.constexpr,
+             num_warps: gl.constexpr):
+    """Consumer partition: per query tile, S^T = K Q^T and dP^T = V dO^T (both in flight together), P^T, dV +=
+    P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q, and dQ = dS K (dS through shared memory), added to the
+    float32 dQ buffer with atomics."""
+    kv_bar, q_ready, do_ready, qdo_empty = bars
+    st_layout: gl.constexpr = mma_layout(num_warps, BM)  # (keys x queries) tiles: S^T, dP^T
+    kv_layout: gl.constexpr = mma_layout(num_warps, D)  # dK, dV
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
+                                                        instr_shape=[16, D // (num_warps // 4), 16])
+    dtype: gl.constexpr = k_smem.dtype
+    k = k_smem.reshape([BN, D])
+    v = v_smem.reshape([BN, D])
+    st_zero = gl.zeros([BN, BM], gl.float32, st_layout)
+    dq_zero = gl.zeros([BM, D], gl.float32, dq_layout)
+    dk = gl.zeros([BN, D], gl.float32, kv_layout)
+    dv = gl.zeros([BN, D], gl.float32, kv_layout)
+    keys = k_start + gl.arange(0, BN, gl.SliceLayout(1, st_layout))
+    arange_q = gl.arange(0, BM, gl.SliceLayout(0, st_layout))
+    dq_rows = gl.arange(0, BM, gl.SliceLayout(1, dq_layout))
+    dq_cols = gl.arange(0, D, gl.SliceLayout(0, dq_layout))
+    dqc_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
+    dqc_rows = gl.arange(0, BM, gl.SliceLayout(1, dqc_layout))
+    dqc_cols = gl.arange(0, D, gl.SliceLayout(0, dqc_layout))
+    dqv_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // D, D // 4], [num_warps, 1], [1, 0])
+    dqv_rows = gl.arange(0, BM, gl.SliceLayout(1, dqv_layout))
+    dqv_cols = gl.arange(0, D, gl.SliceLayout(0, dqv_layout))
+    row0 = batch.to(gl.int64) * N_QUERIES
+    ragged_keys = k_start + BN > N_KEYS
+
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_tiles):
+        stage = i % STAGES
+        phase = (i // STAGES) & 1
+        q_start = (first_tile + i) * BM
+        q = q_smem.index(stage).reshape([BM, D])
+        do = do_smem.index(stage).reshape([BM, D])
+        mbarrier.wait(q_ready.index(stage), phase)
+        s_t = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_t = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        s_t = warpgroup_mma_wait(1, deps=(s_t,))
+        if (IS_CAUSAL & (q_start < k_start + BN)) | ragged_keys:
+            # Keys past N_KEYS must be -inf too: exp2(0 - L) of a zero-filled key can overflow.
+            keep = keys[:, None] < N_KEYS
+            if IS_CAUSAL:
+                keep = keep & (keys[:, None] <= (q_start + arange_q)[None, :])
+            s_t = gl.where(keep, s_t, float("-inf"))
+        # L log2(e) and Delta of the query tile; padded queries have L = +inf, so their P is exactly 0.
+        lse2 = lse_smem.index(stage).reshape([BM]).load(gl.SliceLayout(0, st_layout))
+        p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+        p_op = gl.convert_layout(p_t.to(dtype), op_layout)
+        dv = warpgroup_mma(p_op, do, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t,))
+        delta = delta_smem.index(stage).reshape([BM]).load(gl.SliceLayout(0, st_layout))
+        ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+        ds_op = gl.convert_layout(ds_t, op_layout)
+        dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+        ds_smem.store(ds_t)
+        # Orders the generic-proxy accesses of this iteration (dS written; L and Delta read) before the async
+        # proxy's: the dQ wgmma below, and the producer's next TMA into this stage once it is released.
+        fence_async_shared()
+        gl.thread_barrier()  # every warpgroup's rows of dS^T are in place before either reads all of them
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
+        dv, p_op, dk, ds_op, dq = warpgroup_mma_wait(0, deps=(dv, p_op, dk, ds_op, dq))
+        mbarrier.arrive(qdo_empty.index(stage))
+        # Rows past N_QUERIES belong to the next batch element (or lie past the end): masked.
+        if DQ_VEC == 1:
+            # A warp on 32 consecutive floats of a row per instruction: 4 full 32-byte sectors.
+            dq = gl.convert_layout(dq, dqc_layout)
+            dq_q = q_start + dqc_rows
+            gl.atomic_add(dQ_ptr + row0 * D + (dq_q[:, None] * D + dqc_cols[None, :]), dq,
+                          mask=dq_q[:, None] < N_QUERIES, sem="relaxed")
+        elif DQ_VEC == 2:
+            # 4 consecutive floats per thread: one red.global.add.v4.f32 (sm_90) for each 4.
+            dq = gl.convert_layout(dq, dqv_layout)
+            dq_q = q_start + dqv_rows
+            ptrs = dQ_ptr + row0 * D + (dq_q[:, None] * D + dqv_cols[None, :])
+            ok = ((dq_q[:, None] < N_QUERIES) & (dqv_cols[None, :] < D)).to(gl.int32)
+            gl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $8, 0; "
+                "@p red.relaxed.gpu.global.add.v4.f32 [$4], {$12, $13, $14, $15}; mov.b32 $0, 0; "
+                "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
+                "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [ptrs.to(gl.int64), ok, dq], dtype=gl.int32, is_pure=False, pack=4)
+        else:
+            dq_q = q_start + dq_rows
+            gl.atomic_add(dQ_ptr + row0 * D + (dq_q[:, None] * D + dq_cols[None, :]), dq,
+                          mask=dq_q[:, None] < N_QUERIES, sem="relaxed")
+    return dk, dv
+
+
+@gluon.jit
+def flash_bwd_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dk_desc, dv_desc, dQ_ptr, N_QUERIES,
+                     N_KEYS, qk_scale, scale, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                     D: gl.constexpr, STAGES: gl.constexpr, DQ_VEC: gl.constexpr, num_warps: gl.constexpr):
+    batch = gl.program_id(1)
+    k_start = gl.program_id(0) * BN
+    n_q_tiles = gl.cdiv(N_QUERIES, BM)
+    if IS_CAUSAL:
+        first_tile = gl.minimum(k_start // BM, n_q_tiles)  # earlier queries never see this key tile
+    else:
+        first_tile = 0
+    n_tiles = n_q_tiles - first_tile
+
+    dtype: gl.constexpr = k_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [1, BN, D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, BN, D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BM, D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BM, D], do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], delta_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [BN, BM], ds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(s), count=1)
+        mbarrier.init(do_ready.index(s), count=1)
+        mbarrier.init(qdo_empty.index(s), count=1)
+    bars = (kv_bar, q_ready, do_ready, qdo_empty)
+
+    dk, dv = gl.warp_specialize([
+        (_bwd_mma, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, bars, dQ_ptr, batch, k_start,
+                    first_tile, n_tiles, N_QUERIES, N_KEYS, qk_scale, IS_CAUSAL, BM, BN, D, STAGES, DQ_VEC,
+                    num_warps)),
+        (_bwd_load, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
+                     lse_smem, delta_smem, bars, batch, k_start, first_tile, n_tiles, BM, STAGES)),
+    ], [1], [24])
+
+    # K and V are spent: their buffers stage dK and dV for TMA stores, which clip rows past N_KEYS.
+    k_smem.reshape([BN, D]).store((dk * scale).to(dtype))
+    v_smem.reshape([BN, D]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [batch, k_start, 0], k_smem)
+    tma.async_copy_shared_to_global(dv_desc, [batch, k_start, 0], v_smem)
+    tma.store_wait(0)
+# fmt: on
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Small helpers of the backward (Gluon too, so that they compile even where TRITON_INTERPRET=1 turned plain
+# Triton kernels into interpreted ones): L log2(e) and Delta into padded rows for TMA, and dQ's conversion.
+# ----------------------------------------------------------------------------------------------------------
+@gluon.jit
+def bwd_preprocess_kernel(
+    O_ptr,
+    dO_ptr,
+    L_ptr,
+    Lse2_ptr,
+    Delta_ptr,
+    N_QUERIES,
+    N_PAD,
+    D: gl.constexpr,
+    ROWS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Per query row: L log2(e) and Delta = rowsum(O * dO) into (batch, N_PAD) float32 buffers whose rows are
+    16-byte aligned (TMA); padded rows get L = +inf (P = 0) and Delta = 0."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    batch = gl.program_id(1).to(gl.int64)
+    rows = gl.program_id(0) * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, gl.SliceLayout(0, layout))
+    in_bounds = rows < N_QUERIES
+    offs = (batch * N_QUERIES + rows)[:, None] * D + cols[None, :]
+    o = gl.load(O_ptr + offs, mask=in_bounds[:, None], other=0.0).to(gl.float32)
+    do = gl.load(dO_ptr + offs, mask=in_bounds[:, None], other=0.0).to(gl.float32)
+    lse = gl.load(L_ptr + batch * N_QUERIES + rows, mask=in_bounds, other=float("inf"))
+    gl.store(Delta_ptr + batch * N_PAD + rows, gl.sum(o * do, 1), mask=rows < N_PAD)
+    gl.store(Lse2_ptr + batch * N_PAD + rows, lse * LOG2E, mask=rows < N_PAD)
+
+
+@gluon.jit
+def dq_convert_kernel(dQacc_ptr, dQ_ptr, N_ELEMENTS, scale, BLOCK: gl.constexpr, num_warps: gl.constexpr):
+    """dQ = scale * the float32 accumulator, in dQ's dtype."""
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+    offs = gl.program_id(0).to(gl.int64) * BLOCK + gl.arange(0, BLOCK, layout)
+    mask = offs < N_ELEMENTS
+    dq = gl.load(dQacc_ptr + offs, mask=mask) * scale
+    gl.store(dQ_ptr + offs, dq.to(dQ_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,222 @@
+"""Compile the Hopper tier's Gluon kernels for sm_90 on any machine (no GPU needed) and report their resources.
+
+    python -m cs336_systems.kernels.hopper.compile_check [--all]
+
+Triton compiles for a named target (`GPUTarget("cuda", 90, 32)`) with the ptxas its wheel bundles; the
+resources come from the cubin: registers per thread at launch (`REG`, the `maxnreg` the launch reserves),
+the registers the partitions ask for with `setmaxnreg`, the highest register the SASS touches, local memory
+and spill instructions (LDL/STL: none means no spills), shared memory, and whether the tensor-core
+instructions are HGMMA (wgmma), not HMMA. The configs are the launchers' own (`forward_config`,
+`backward_config`), so what is checked here is what runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cs336_systems.kernels.hopper.flash_attention import (
+    DTYPES,
+    HEAD_DIMS,
+    backward_config,
+    forward_config,
+)
+
+_TORCH_TO_TRITON = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass
+class Report:
+    """What one compiled kernel uses on sm_90."""
+
+    kernel: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    config: str
+    launch_regs: int | None = None  # registers per thread the launch reserves (REG)
+    setmaxnreg: list[int] = field(default_factory=list)  # what the partitions ask for at run time
+    max_reg_used: int | None = None  # highest register index in the SASS, plus one
+    spill_bytes: int | None = None  # ptxas's spill stores + loads, where its log was seen
+    spill_instructions: int | None = None  # LDL/STL in the SASS
+    local_bytes: int | None = None
+    shared_bytes: int = 0
+    hgmma: int = 0  # HGMMA instructions in the SASS
+    hmma: int = 0
+
+    @property
+    def spills(self) -> bool:
+        return bool(self.spill_instructions or self.local_bytes or self.spill_bytes)
+
+    def line(self) -> str:
+        return (
+            f"{self.kernel:4s} {self.dtype:4s} d={self.head_dim:<3d} causal={self.causal!s:5s} {self.config:26s} "
+            f"regs {self.launch_regs} (setmaxnreg {'/'.join(map(str, sorted(set(self.setmaxnreg)))) or '-'}, "
+            f"max used {self.max_reg_used})  spills {'YES' if self.spills else 'none'} "
+            f"(LDL/STL {self.spill_instructions}, local {self.local_bytes} B)  smem {self.shared_bytes / 1024:.1f} KiB  "
+            f"HGMMA {self.hgmma}  HMMA {self.hmma}"
+        )
+
+
+def available() -> str | None:
+    """Why compiling for sm_90 here cannot work, or None."""
+    try:
+        import triton  # noqa: F401
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the installed triton
+        return f"triton with gluon is not importable: {e!r}"
+    for tool in ("ptxas", "cuobjdump"):
+        if _nvidia_tool(tool) is None:
+            return f"{tool} is missing (Triton's wheel bundles it)"
+    return None
+
+
+def _nvidia_tool(name: str) -> str | None:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return str(path) if path.exists() else shutil.which(name)
+
+
+def _desc(dtype: str, block_shape: list[int]) -> str:
+    from triton.experimental.gluon import language as gl
+
+    if dtype == "fp32":
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block_shape))
+    else:
+        layout = gl.NVMMASharedLayout.get_default_for(
+            block_shape, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+        )
+    return f"tensordesc<{dtype}[{','.join(map(str, block_shape))}],{layout!r}>"
+
+
+def _signature(kernel: str, dtype: str, d: int, bm: int, bn: int) -> dict:
+    names = ("IS_CAUSAL", "BM", "BN", "D", "STAGES", "num_warps")
+    names += ("PINGPONG", "CONS_REGS") if kernel == "fwd" else ("DQ_VEC",)
+    constexprs = {name: "constexpr" for name in names}
+    if kernel == "fwd":
+        q, kv = _desc(dtype, [1, 64, d]), _desc(dtype, [1, bn, d])
+        return {"q_desc": q, "k_desc": kv, "v_desc": kv, "o_desc": q, "L_ptr": "*fp32", "N_QUERIES": "i32",
+                "N_KEYS": "i32", "qk_scale": "fp32", **constexprs}  # fmt: skip
+    q, kv, rows = _desc(dtype, [1, bm, d]), _desc(dtype, [1, bn, d]), _desc("fp32", [1, bm])
+    return {"k_desc": kv, "v_desc": kv, "q_desc": q, "do_desc": q, "lse_desc": rows, "delta_desc": rows,
+            "dk_desc": kv, "dv_desc": kv, "dQ_ptr": "*fp32", "N_QUERIES": "i32", "N_KEYS": "i32",
+            "qk_scale": "fp32", "scale": "fp32", **constexprs}  # fmt: skip
+
+
+def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, causal: bool, seq_len: int = 4096):
+    """Compile the forward ("fwd") or backward ("bwd") kernel for sm_90; returns (CompiledKernel, ptxas log)."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from cs336_systems.kernels.hopper import _kernels
+
+    cfg = (forward_config if kernel == "fwd" else backward_config)(head_dim, seq_len, causal)
+    fn = _kernels.flash_fwd_kernel if kernel == "fwd" else _kernels.flash_bwd_kernel
+    sig = _signature(kernel, _TORCH_TO_TRITON[dtype], head_dim, cfg.bm, cfg.bn)
+    constexprs = {"IS_CAUSAL": causal, "BM": cfg.bm, "BN": cfg.bn, "D": head_dim, "STAGES": cfg.stages,
+                  "num_warps": cfg.num_warps}  # fmt: skip
+    if kernel == "fwd":
+        constexprs |= {"PINGPONG": cfg.pingpong, "CONS_REGS": cfg.cons_regs}
+    else:
+        constexprs |= {"DQ_VEC": cfg.dq_vec}
+    src = GluonASTSource(fn, sig, constexprs=constexprs)
+    log = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True  # printed only when ptxas runs (not from Triton's cache)
+        compiled = triton.compile(
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": cfg.num_warps, "maxnreg": cfg.maxnreg},
+        )
+    return compiled, cfg, log.getvalue()
+
+
+def inspect(kernel: str, dtype: torch.dtype, head_dim: int, causal: bool, seq_len: int = 4096) -> Report:
+    compiled, cfg, log = compile_kernel(kernel, dtype, head_dim, causal, seq_len)
+    report = Report(
+        kernel, _TORCH_TO_TRITON[dtype], head_dim, causal,
+        f"BM={cfg.bm} BN={cfg.bn} st={cfg.stages} w={cfg.num_warps}{' pp' if cfg.pingpong else ''}{f' dq{cfg.dq_vec}' if kernel == 'bwd' else ''}",
+        shared_bytes=compiled.metadata.shared,
+    )  # fmt: skip
+    report.setmaxnreg = [
+        int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])
+    ]
+    if m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log):
+        report.spill_bytes = int(m[1]) + int(m[2])
+    if m := re.search(r"Used (\d+) registers", log):
+        report.launch_regs = int(m[1])
+    cuobjdump = _nvidia_tool("cuobjdump")
+    if cuobjdump is None:
+        return report
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        res = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True).stdout
+    if m := re.search(r"REG:(\d+)", res):
+        report.launch_regs = int(m[1])
+    if m := re.search(r"LOCAL:(\d+)", res):
+        report.local_bytes = int(m[1])
+    registers = [int(r) for r in re.findall(r"\bR(\d+)\b", sass)]
+    report.max_reg_used = max(registers) + 1 if registers else None
+    report.spill_instructions = len(re.findall(r"\b(?:LDL|STL)\b", sass))
+    report.hgmma = len(re.findall(r"\bHGMMA\.", sass))
+    report.hmma = len(re.findall(r"\bHMMA\.", sass))
+    return report
+
+
+def compile_for_sm90(configs=None) -> list[Report]:
+    """Reports for (kernel, dtype, head dim, causal) in `configs` (all supported combinations by default)."""
+    if configs is None:
+        configs = [
+            (kernel, dtype, d, causal)
+            for kernel in ("fwd", "bwd")
+            for dtype in DTYPES
+            for d in HEAD_DIMS
+            for causal in (True, False)
+        ]
+    return [inspect(*c) for c in configs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--all", action="store_true", help="fp16 too (default: bf16 only; same code)")
+    parser.add_argument("--kernel", choices=("fwd", "bwd"), help="only this kernel")
+    args = parser.parse_args(argv)
+    if (why := available()) is not None:
+        print(f"cannot compile for sm_90 here: {why}")
+        return 1
+    dtypes = DTYPES if args.all else (torch.bfloat16,)
+    kernels = (args.kernel,) if args.kernel else ("fwd", "bwd")
+    configs = [(k, t, d, c) for k in kernels for t in dtypes for d in HEAD_DIMS for c in (True, False)]
+    bad = 0
+    for config in configs:
+        try:
+            report = inspect(*config)
+        except Exception as e:  # one failing kernel should not hide the others
+            print(f"{config}: compile FAILED: {type(e).__name__}: {str(e)[:2000]}")
+            bad += 1
+            continue
+        print(report.line())
+        bad += report.spills or report.hgmma == 0 or report.hmma > 0
+    print("OK" if not bad else f"{bad} problem(s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

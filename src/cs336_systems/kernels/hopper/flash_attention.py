@@ -1,0 +1,272 @@
+"""FlashAttention for Hopper (sm_90) in Gluon: TMA, mbarrier rings, warp specialisation and async wgmma.
+
+The contract is `flash_triton`'s: contiguous (batch, seq, d) Q, K, V (batch = batch * heads flattened), O in the
+input dtype and the logsumexp L (batch, N_q) in natural-log units, float32; causal masking top-left aligned
+(query i sees keys j <= i). `supports(...)` says where this tier runs: bf16 or fp16, head dim 64 or 128, a GPU
+of capability (9, 0), gluon importable. Gluon is imported on first launch (the kernels live in `_kernels.py`),
+so importing this module never fails on a CPU-only machine.
+
+Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
+
+- Forward, one program per (query tile of BM = 128 rows, batch element), later query tiles launched first when
+  causal. `gl.warp_specialize` splits it into a producer partition (one warp, 24 registers) that TMA-loads each
+  consumer's 64 rows of Q once and K, V of each key tile into a STAGES-deep shared-memory ring guarded by
+  ready/empty mbarriers (K and V on separate barriers), and two consumer partitions of one warpgroup each (the
+  default partition, num_warps = 4, and a 4-warp worker; 240 registers after `setmaxnreg`), 64 query rows each.
+  Being separate partitions, each arrives on the 'empty' barriers (count 2) with a barrier of its own 128
+  threads only, so the warpgroups never wait for each other. Each runs S = Q K^T and O += P V as asynchronous
+  wgmma with both accumulators in registers and P fed to the second wgmma from registers, software pipelined as
+  FA3's intra-warpgroup overlap (S of tile i+1 and P V of tile i in flight while the softmax of tile i+1 runs),
+  and at d = 128 the two take turns issuing their GEMMs (ping-pong through two 'turn' mbarriers), so that one's
+  softmax runs under the other's GEMMs. Softmax in base 2 (exp2 of s * scale * log2(e) - m); only diagonal (and
+  ragged last) tiles build a mask, tiles above the diagonal are never loaded. Each consumer writes its O rows
+  through shared memory by a TMA store, and its L rows.
+- Backward, one program per (key tile of BN = 128 rows, batch element): the producer warp loads K, V once, then
+  Q, dO, L log2(e) and Delta of each query tile (BM = 64) into a ring; the two consumer warpgroups (64 keys each)
+  compute S^T = K Q^T and dP^T = V dO^T (in flight together), P^T, dV += P^T dO, dS^T, dK += dS^T Q by wgmma with
+  the accumulators dK, dV in registers, and dQ = dS K by a wgmma reading dS from shared memory; dQ is converted to a
+  row-major layout and added to a float32 buffer with atomics (coalesced; 4-wide at d = 64) and converted (times the softmax scale) to the input dtype at the end. A small
+  Gluon kernel first writes L log2(e) and Delta = rowsum(O * dO) into padded rows (TMA needs 16-byte aligned
+  rows; padded queries get L = +inf, so their P is 0 without a mask).
+- Descriptors are 3-D (batch, seq, d) with (1, tile, d) blocks: a tile never reads the next batch element's rows
+  (TMA zero-fills rows past seq) and TMA stores clip them.
+
+Not (yet) of FA3: FP8, persistent tile scheduling, TMA reduce-add for dQ (no Gluon API for it in 3.6; the
+consumers use atomics: coalesced scalar ones at d = 128, `red.global.add.v4.f32` by inline PTX at d = 64), a
+separate dQ-writer warp, separate consumer partitions in the backward (its two warpgroups share dS for dQ).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (64, 128)
+# Backward warps: 8 consumer warps (two warpgroups) + 1 producer warp, rounded up to 12 (registers are handed out
+# per warpgroup). maxnreg is what the launch reserves per thread: 12 * 32 * 168 <= 65,536; the producer
+# warpgroup drops to 24 registers and the consumers rise to 240 (setmaxnreg), FA3's split. The forward launches
+# 4 warps (consumer 0) plus its workers (consumer 1, producer): 12 warps too.
+NUM_WARPS = 8
+MAXNREG = 168
+PRODUCER_REGS = 24  # the worker partition's registers (in _kernels: `gl.warp_specialize(..., [1], [24])`)
+_PREPROCESS_ROWS = 64
+_CONVERT_BLOCK = 1024
+
+
+@functools.cache
+def gluon_available() -> bool:
+    """Whether Triton's Gluon with its Hopper ops imports here."""
+    try:
+        from triton.experimental import gluon  # noqa: F401
+        from triton.experimental.gluon.language.nvidia.hopper import tma, warpgroup_mma  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def supports(device: torch.device, dtype: torch.dtype, head_dim: int, is_causal: bool) -> bool:
+    """Whether this tier runs attention of this dtype and head dim on `device` (causal or not: both)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if dtype not in DTYPES or head_dim not in HEAD_DIMS:
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    return gluon_available()
+
+
+@dataclass(frozen=True)
+class Config:
+    """One kernel's tiles: BM query rows, BN key rows, a STAGES-deep ring, warps, registers per thread; for the
+    forward also whether the consumer warpgroups ping-pong and the registers each consumer asks for."""
+
+    bm: int
+    bn: int
+    stages: int
+    num_warps: int = NUM_WARPS
+    maxnreg: int = MAXNREG
+    pingpong: bool = False
+    cons_regs: int = 240
+    dq_vec: int = 0  # backward dQ atomics: 0 from the wgmma layout, 1 coalesced rows, 2 red.v4.f32
+
+
+def _env_config(name: str) -> Config | None:
+    """A config from the environment (`HOPPER_FWD=bm,bn,stages,pingpong`): for timing variants in devcheck."""
+    value = os.environ.get(name)
+    if not value:
+        return None
+    bm, bn, stages, pingpong = (int(x) for x in value.split(","))
+    return _fwd_config(bm, bn, stages, bool(pingpong))
+
+
+def _fwd_config(bm: int, bn: int, stages: int, pingpong: bool) -> Config:
+    # One consumer warpgroup per 64 query rows, each its own partition (the default one: 4 warps), plus the
+    # producer warp: 9 warps (12 registers-wise) for two consumers, 13 (16) for three.
+    n_cons = bm // 64
+    total_warps = 12 if n_cons == 2 else 16
+    maxnreg = (65536 // (32 * total_warps)) // 8 * 8
+    cons_regs = min(240, (65536 - 128 * 24) // (128 * n_cons) // 8 * 8)
+    return Config(bm=bm, bn=bn, stages=stages, num_warps=4, maxnreg=maxnreg, pingpong=pingpong,
+                  cons_regs=cons_regs)  # fmt: skip
+
+
+def forward_config(head_dim: int, seq_len: int, is_causal: bool) -> Config:
+    """Two consumer warpgroups of 64 query rows (BM = 128), 128 keys per tile; a third K/V stage where shared
+    memory allows. Checked spill-free for sm_90 by `compile_check`."""
+    if (cfg := _env_config("HOPPER_FWD")) is not None:
+        return cfg
+    return _fwd_config(128, 128, 2, pingpong=head_dim > 64)  # measured: FINDINGS.md
+
+
+def _env_bwd_config() -> Config | None:
+    """A backward config from the environment (`HOPPER_BWD=bm,bn,stages,dq_vec`): for timing variants."""
+    value = os.environ.get("HOPPER_BWD")
+    if not value:
+        return None
+    bm, bn, stages, dq_vec = (int(x) for x in value.split(","))
+    return Config(bm=bm, bn=bn, stages=stages, dq_vec=dq_vec)
+
+
+def backward_config(head_dim: int, seq_len: int, is_causal: bool) -> Config:
+    """128 keys per program (64 per consumer warpgroup), query tiles of 64: dK and dV (2 x 64 registers per
+    thread at d = 128) plus S^T, dP^T and dQ fit 240 registers without spills. dQ's atomics: coalesced scalar
+    adds at d = 128 (the red.v4 variant's layout conversion spills there), red.global.add.v4.f32 at d = 64
+    (measured on an H200: FINDINGS.md)."""
+    if (cfg := _env_bwd_config()) is not None:
+        return cfg
+    return Config(bm=64, bn=128, stages=2, dq_vec=2 if head_dim <= 64 else 1)
+
+
+@functools.cache
+def _kernels():
+    from cs336_systems.kernels.hopper import _kernels
+
+    return _kernels
+
+
+@functools.cache
+def _smem_layout(dtype: torch.dtype, block_shape: tuple[int, ...]):
+    from triton.experimental.gluon import language as gl
+
+    if dtype == torch.float32:  # the rows of L and Delta: not an MMA operand, no swizzle
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block_shape))
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype)
+
+
+def _descriptor(t: torch.Tensor, block_shape: tuple[int, ...]):
+    """A TMA descriptor over the whole contiguous tensor `t` with `block_shape` tiles."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(
+        t, list(t.shape), list(t.stride()), list(block_shape), _smem_layout(t.dtype, block_shape)
+    )
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    q = tensors[0]
+    for t in tensors:
+        if t.dim() != 3 or not t.is_contiguous():
+            raise ValueError(f"expected contiguous (batch, seq, d) tensors, got shape {tuple(t.shape)}")
+    if not supports(q.device, q.dtype, q.shape[-1], True):
+        raise ValueError(
+            f"the Hopper tier does not support {q.dtype}, head dim {q.shape[-1]} on {q.device} "
+            f"(it takes {DTYPES}, head dims {HEAD_DIMS}, on a capability (9, 0) GPU)"
+        )
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (batch, N_q, d) in q's dtype and the logsumexp L (batch, N_q) in float32, natural-log units."""
+    _check(q, k, v)
+    batch, n_queries, d = q.shape
+    n_keys = k.shape[1]
+    cfg = forward_config(d, max(n_queries, n_keys), is_causal)
+    o = torch.empty_like(q)
+    lse = torch.empty((batch, n_queries), dtype=torch.float32, device=q.device)
+    grid = (math.ceil(n_queries / cfg.bm), batch)
+    _kernels().flash_fwd_kernel[grid](
+        _descriptor(q, (1, 64, d)),
+        _descriptor(k, (1, cfg.bn, d)),
+        _descriptor(v, (1, cfg.bn, d)),
+        _descriptor(o, (1, 64, d)),
+        lse,
+        n_queries,
+        n_keys,
+        math.log2(math.e) / math.sqrt(d),
+        IS_CAUSAL=is_causal,
+        BM=cfg.bm,
+        BN=cfg.bn,
+        D=d,
+        STAGES=cfg.stages,
+        PINGPONG=cfg.pingpong,
+        CONS_REGS=cfg.cons_regs,
+        num_warps=cfg.num_warps,
+        maxnreg=cfg.maxnreg,
+    )
+    return o, lse
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L; dQ through float32 atomics."""
+    do = do.contiguous()
+    _check(q, k, v, o, do)
+    lse = lse.contiguous()
+    batch, n_queries, d = q.shape
+    n_keys = k.shape[1]
+    cfg = backward_config(d, max(n_queries, n_keys), is_causal)
+    kernels = _kernels()
+    n_pad = math.ceil(n_queries / cfg.bm) * cfg.bm
+    lse2 = torch.empty((batch, n_pad), dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse2)
+    kernels.bwd_preprocess_kernel[(math.ceil(n_pad / _PREPROCESS_ROWS), batch)](
+        o, do, lse, lse2, delta, n_queries, n_pad, D=d, ROWS=_PREPROCESS_ROWS, num_warps=4
+    )
+    dq_accum = torch.zeros((batch, n_queries, d), dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    scale = 1.0 / math.sqrt(d)
+    grid = (math.ceil(n_keys / cfg.bn), batch)
+    kernels.flash_bwd_kernel[grid](
+        _descriptor(k, (1, cfg.bn, d)),
+        _descriptor(v, (1, cfg.bn, d)),
+        _descriptor(q, (1, cfg.bm, d)),
+        _descriptor(do, (1, cfg.bm, d)),
+        _descriptor(lse2, (1, cfg.bm)),
+        _descriptor(delta, (1, cfg.bm)),
+        _descriptor(dk, (1, cfg.bn, d)),
+        _descriptor(dv, (1, cfg.bn, d)),
+        dq_accum,
+        n_queries,
+        n_keys,
+        scale * math.log2(math.e),
+        scale,
+        IS_CAUSAL=is_causal,
+        BM=cfg.bm,
+        BN=cfg.bn,
+        D=d,
+        STAGES=cfg.stages,
+        DQ_VEC=cfg.dq_vec,
+        num_warps=cfg.num_warps,
+        maxnreg=cfg.maxnreg,
+    )
+    dq = torch.empty_like(q)
+    n = dq.numel()
+    kernels.dq_convert_kernel[(math.ceil(n / _CONVERT_BLOCK),)](
+        dq_accum, dq, n, scale, BLOCK=_CONVERT_BLOCK, num_warps=4
+    )
+    return dq, dk, dv

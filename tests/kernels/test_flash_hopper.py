@@ -1,0 +1,124 @@
+"""The Hopper (sm_90) Gluon FlashAttention tier.
+
+On any machine: `supports()` refuses the CPU, and the kernels compile for sm_90 (Triton compiles for a named
+target without a GPU) to wgmma (HGMMA) without register spills. On an H100/H200 (`gpu` marker): O, L, dQ, dK, dV
+against float64 attention on fresh random inputs, odd and power-of-two lengths, causal and not, head dims 64 and
+128, bf16 and fp16, and against the portable Triton tier.
+"""
+
+import math
+
+import pytest
+import torch
+
+from cs336_systems.kernels import hopper
+from cs336_systems.kernels.hopper import compile_check
+
+from ..attention_reference import reference, rel_err
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_hopper = pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA GPU of capability (9, 0)")
+# Relative error bounds (max abs error / max abs reference), as in test_flash_compile.py on the GPU: bf16 keeps
+# 8 mantissa bits, fp16 11; P and dS are rounded to the input dtype before their matmuls.
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Any machine
+# ----------------------------------------------------------------------------------------------------------
+def test_supports_is_false_off_hopper():
+    assert not hopper.supports(torch.device("cpu"), torch.bfloat16, 128, True)
+    assert not hopper.supports(torch.device("cpu"), torch.float16, 64, False)
+    if ON_HOPPER:
+        device = torch.device("cuda")
+        assert hopper.supports(device, torch.bfloat16, 128, True) == (compile_check.available() is None)
+        assert not hopper.supports(device, torch.float32, 128, True)
+        assert not hopper.supports(device, torch.bfloat16, 96, True)
+
+
+@pytest.mark.skipif(compile_check.available() is not None, reason=f"{compile_check.available()}")
+@pytest.mark.parametrize("kernel", ["fwd", "bwd"])
+def test_kernels_compile_for_sm90_to_wgmma_without_spills(kernel):
+    # One config per kernel (d = 128, causal: the most registers); `python -m
+    # cs336_systems.kernels.hopper.compile_check --all` checks every supported combination.
+    report = compile_check.inspect(kernel, torch.bfloat16, 128, True)
+    assert report.hgmma > 0 and report.hmma == 0, report.line()
+    assert not report.spills and report.spill_instructions == 0, report.line()
+    assert 24 in report.setmaxnreg and 240 in report.setmaxnreg, report.line()  # the warp-specialised split
+    assert report.shared_bytes <= 227 * 1024, report.line()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# On an H100 / H200
+# ----------------------------------------------------------------------------------------------------------
+def _inputs(batch, n_q, n_k, d, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda n: torch.randn(batch, n, d, generator=g, device="cuda").to(dtype)
+    return make(n_q), make(n_k), make(n_k), make(n_q)
+
+
+def _float64_grads(q, k, v, do, causal):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o_ref, lse_ref = reference(q64, k64, v64, causal)
+    o_ref.backward(do.double())
+    return o_ref, lse_ref, q64.grad, k64.grad, v64.grad
+
+
+LENGTHS = [1, 17, 130, 1000, 1537, 128, 1024, 2048]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_matches_float64_reference(n, causal, d, dtype):
+    run_against_reference(3, n, n, d, causal, dtype, seed=LENGTHS.index(n) * 8 + d // 64 + 4 * causal)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("n_q, n_k", [(100, 300), (300, 100), (1, 257), (513, 64)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_unequal_lengths_match_float64_reference(n_q, n_k, causal):
+    run_against_reference(2, n_q, n_k, 128, causal, torch.bfloat16, seed=n_q + n_k)
+
+
+def run_against_reference(batch, n_q, n_k, d, causal, dtype, seed):
+    q, k, v, do = _inputs(batch, n_q, n_k, d, dtype, seed)
+    o, lse = hopper.forward(q, k, v, causal)
+    dq, dk, dv = hopper.backward(q, k, v, o, do, lse, causal)
+    torch.cuda.synchronize()
+    assert o.shape == q.shape and o.dtype == dtype
+    assert lse.shape == (batch, n_q) and lse.dtype == torch.float32
+    assert (dq.dtype, dk.dtype, dv.dtype) == (dtype,) * 3
+    expected = _float64_grads(q, k, v, do, causal)
+    errors = {
+        name: rel_err(a, e)
+        for name, a, e in zip(("O", "L", "dQ", "dK", "dV"), (o, lse, dq, dk, dv), expected, strict=True)
+    }
+    tol = TOLERANCE[dtype]
+    bad = {name: err for name, err in errors.items() if not err < tol}  # NaN fails too
+    assert not bad, f"relative errors above {tol}: {bad}"
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", [(4, 1537, 64), (2, 2048, 128), (8, 1000, 128)], ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_agrees_with_the_portable_tier(shape, causal):
+    from cs336_systems.kernels import flash_triton
+
+    if flash_triton.INTERPRET:
+        pytest.skip("flash_triton was imported under TRITON_INTERPRET=1: run this file alone")
+    batch, n, d = shape
+    q, k, v, do = _inputs(batch, n, n, d, torch.bfloat16, seed=n + d)
+    ours = hopper.forward(q, k, v, causal)
+    ours += hopper.backward(q, k, v, ours[0], do, ours[1], causal)
+    theirs = flash_triton.flash_forward(q, k, v, causal)
+    theirs += flash_triton.flash_backward(q, k, v, theirs[0], do, theirs[1], causal)
+    for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), ours, theirs, strict=True):
+        err = rel_err(a, b.double())
+        assert err < 2 * TOLERANCE[torch.bfloat16], f"{name}: relative difference {err}"
+        assert math.isfinite(err)
