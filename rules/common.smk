@@ -180,6 +180,10 @@ def train_step_options(settings, compile):
 CLI_CODE = ("cli.py", "model/transformer.py", "measure/timing.py", "measure/provenance.py")
 # The Transformer workload: the model, its batch and its training step.
 MODEL_CODE = ("training/workload.py",)
+# Our FlashAttention: the operator, the tier that runs (flash_tiers imports the Hopper tier by name) and each tier.
+FLASH_KERNEL_CODE = ("kernels/flash_attention.py", "kernels/flash_tiers.py", "kernels/flash_triton.py",
+                     "kernels/triton_interpreter.py", "kernels/hopper/__init__.py", "kernels/hopper/flash_attention.py",
+                     "kernels/hopper/_kernels.py")
 
 
 def code(*modules, view_only=VIEW_ONLY):

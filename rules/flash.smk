@@ -3,7 +3,7 @@
 # Nsight Compute profile of our kernels beside cuDNN's. Without a GPU, flash_benchmark and flash_peers check our
 # kernels in the Triton interpreter against a float64 reference instead of timing them.
 FLASH, BOARD, PEERS, FLASH_NCU = R["flash"], R["leaderboard"], R["flash_peers"], R["flash_ncu"]
-FLASH_CODE = code("bench/flash_variants.py", "kernels/flash_attention.py", "kernels/flash_triton.py", "kernels/triton_interpreter.py")
+FLASH_CODE = code("bench/flash_variants.py", *FLASH_KERNEL_CODE)
 
 
 rule flash_benchmark:
@@ -123,10 +123,41 @@ rule flash_ncu:
         "python -m cs336_systems.experiments.flash_ncu --shapes {params.shapes} --out {output.csv} 2> {log}"
 
 
+# The kernels' tests on the GPU that times them: the Hopper tier's and the portable tier's compiled on CUDA, each file
+# in a pytest process of its own; their pass/fail table is published beside the timings.
+GPU_TESTS = ["tests/kernels/test_flash_hopper.py", "tests/kernels/test_flash_compile.py"]
+TEST_HELPERS = ["tests/conftest.py", "tests/attention_reference.py"]
+
+
+rule gpu_tests:
+    message:
+        "the kernels' tests on this run's GPU -> {output.csv}"
+    input:
+        [ancient(t) if VIEW_ONLY else t for t in GPU_TESTS + TEST_HELPERS],
+        code("experiments/gpu_tests.py") + FLASH_CODE,
+    output:
+        csv=report(f"{RESULTS}/gpu_tests/kernels.csv", caption="report/gpu_tests.rst",
+                   category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),
+        json=f"{RESULTS}/gpu_tests/kernels.json",
+    params:
+        tests=listed(GPU_TESTS),
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/gpu_tests/kernels.csv"),
+    threads: NEEDS["model"].threads
+    resources:
+        **job("model", gpu=GPU_JOB),
+    log:
+        f"{RESULTS}/logs/gpu_tests.log",
+    conda:
+        ENV
+    shell:
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.gpu_tests --tests {params.tests} --out {output.csv} 2> {log}"
+
+
 # One job per (dtype, d_head): each is a few minutes on a GPU, so a cut-short run keeps the cells it finished.
 WRITEUP_INPUTS += expand(f"{RESULTS}/flash/benchmark_{{dtype}}_d{{d_head}}.csv", dtype=FLASH["dtypes"],
                          d_head=FLASH["d_heads"])
 WRITEUP_INPUTS += [f"{RESULTS}/leaderboard/leaderboard.csv"]
 WRITEUP_INPUTS += expand(f"{RESULTS}/flash_peers/{{mask}}_d{{d_head}}.csv", mask=PEERS["masks"],
                          d_head=PEERS["d_heads"])
-WRITEUP_INPUTS += [f"{RESULTS}/flash_ncu/kernels.csv"]
+WRITEUP_INPUTS += [f"{RESULTS}/flash_ncu/kernels.csv", f"{RESULTS}/gpu_tests/kernels.csv"]

@@ -7,8 +7,7 @@ rule residuals:
     message:
         "2026 §3.1 autograd residuals of RMSNorm and one block -> {output.csv}"
     input:
-        code("experiments/residuals_benchmark.py", "measure/saved_tensors.py", "kernels/flash_attention.py", "kernels/flash_triton.py",
-             "kernels/triton_interpreter.py"),
+        code("experiments/residuals_benchmark.py", "measure/saved_tensors.py", *FLASH_KERNEL_CODE),
     output:
         csv=report(f"{RESULTS}/residuals/residuals.csv", caption="report/residuals.rst", category="Results",
                    subcategory="3.1 Autograd residuals"),

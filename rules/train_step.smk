@@ -6,8 +6,8 @@ TRAIN_STEP_CSV = f"{RESULTS}/train_step/{{stack}}.csv"
 
 
 # The library code every train_step job runs; each job adds its own CLI.
-TRAIN_STEP_LIBRARY = ("training/stacks.py", "training/workload.py", "kernels/fused_cross_entropy.py", "kernels/fused_adamw.py", "kernels/flash_attention.py",
-                      "kernels/flash_triton.py", "kernels/triton_interpreter.py", "model/checkpointing.py", "model/transformer.py", "measure/profiling.py")
+TRAIN_STEP_LIBRARY = ("training/stacks.py", "training/workload.py", "kernels/fused_cross_entropy.py", "kernels/fused_adamw.py", *FLASH_KERNEL_CODE,
+                      "model/checkpointing.py", "model/transformer.py", "measure/profiling.py")
 TRAIN_STEP_CODE = code("experiments/train_step_benchmark.py", "bench/stack_timing.py", *TRAIN_STEP_LIBRARY)
 TRAIN_STEP_DIMS = " ".join(f"--{key.replace('_', '-')} {TRAIN_STEP[key]}" for key in
                            ("d_model", "d_ff", "num_heads", "vocab_size", "context_length", "batch_size"))

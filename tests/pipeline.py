@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .conftest import REPO
 
-PIPELINE_FILES = ["Snakefile", "config.yaml", "rules", "src", "profiles"]
+PIPELINE_FILES = ["Snakefile", "config.yaml", "rules", "src", "profiles", "tests"]
 
 
 def copy_pipeline(dest: Path) -> Path:

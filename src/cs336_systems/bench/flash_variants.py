@@ -91,7 +91,8 @@ def flex_attention(seq_len: int, device: torch.device, causal: bool = True) -> A
 
 
 def attention(impl: str, seq_len: int, device: torch.device, causal: bool = True) -> Attention:
-    """The implementation named `impl`: `triton` (ours, eager), `triton_compiled` (ours under torch.compile),
+    """The implementation named `impl`: `triton` (ours, eager, the tier chosen for the inputs), `triton_portable`
+    and `triton_hopper` (ours with that tier forced: FORCED_TIERS), `triton_compiled` (ours under torch.compile),
     `triton_op` (ours eagerly through the torch.library operators that torch.compile calls, where `triton` calls the
     kernels directly), `pytorch_naive`, `flex` (FlexAttention, compiled on the GPU), `sdpa`, or SDPA pinned to one
     backend, `sdpa_flash` or `sdpa_cudnn`. Ours run the tier `tier(impl, q)` names ($CS336_FLASH_TIER forces one)."""
@@ -101,6 +102,8 @@ def attention(impl: str, seq_len: int, device: torch.device, causal: bool = True
 
     if impl == "triton":
         return lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal)
+    if (forced := FORCED_TIERS.get(impl)) is not None:
+        return lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal, "triton", forced)
     if impl == "triton_compiled":
         compiled = torch.compile(FlashAttentionTriton.apply)
         return lambda q, k, v: compiled(q, k, v, causal)
@@ -120,6 +123,8 @@ def attention(impl: str, seq_len: int, device: torch.device, causal: bool = True
     return sdpa_attention(backends[impl], causal)
 
 
+# Ours with one kernel tier forced (flash_tiers), so that both tiers can be timed side by side.
+FORCED_TIERS = {"triton_portable": "portable", "triton_hopper": "hopper"}
 # The tier column of PyTorch's attention (not "n/a", which pandas reads back as a missing value).
 PYTORCH_TIER = "pytorch"
 
@@ -131,7 +136,7 @@ def tier(impl: str, q: Tensor, causal: bool = True) -> str:
         return PYTORCH_TIER
     from cs336_systems.kernels import flash_tiers
 
-    return flash_tiers.tier_for(q, causal)
+    return flash_tiers.tier_for(q, causal, FORCED_TIERS.get(impl))
 
 
 def max_abs_diff(attend: Attention, q: Tensor, k: Tensor, v: Tensor, expected: Tensor) -> float:

@@ -47,6 +47,7 @@ from cs336_systems.measure.timing import free_memory
 
 IMPLS = (
     "triton",
+    *bench.FORCED_TIERS,
     "triton_compiled",
     "triton_op",
     "pytorch_naive",

@@ -1,9 +1,11 @@
 """Nsight Compute profile of our FlashAttention kernels beside SDPA's cuDNN attention, at given shapes.
 
 For each `--shapes` entry BxHxNxD (batch, heads, sequence, head dim; causal, bf16), `ncu` runs this module as a
-workload (`--workload SHAPE`) that tunes and warms both implementations, then profiles one forward and one
-backward of each: our Triton kernels through their launchers (forward; backward = preprocess, dK/dV and dQ
-passes) and `scaled_dot_product_attention` pinned to cuDNN (its forward, and its backward through autograd).
+workload (`--workload SHAPE`) that tunes and warms every implementation, then profiles one forward and one
+backward of each: ours through each kernel tier that runs the shape on this GPU (`triton_hopper`: the Gluon
+kernels for sm_90; `triton_portable`: the Triton kernels, backward = preprocess, dK/dV and dQ passes), called
+through the tier's functions, and `scaled_dot_product_attention` pinned to cuDNN (its forward, and its backward
+through autograd).
 One row per profiled kernel: the unit (`impl`, `pass`), `kernel`, `duration_ms`, the tensor-core pipe's busy share
 (`tensor_pipe_pct`), the matmul work executed (`tensor_ops`), SM and memory
 throughput as shares of peak and which is higher (`bound`), achieved occupancy, registers per thread, block and
@@ -29,12 +31,33 @@ from cs336_systems.kernels.flash_triton import unsupported_head_dim
 from cs336_systems.measure import ncu
 from cs336_systems.measure.provenance import write_rows
 
+# The profiled units, in the workload's order: each kernel tier of ours that runs the shape, then cuDNN.
+TIERS = ("hopper", "portable")
 UNITS = [
-    {"impl": "triton", "pass": "forward"},
-    {"impl": "triton", "pass": "backward"},
+    *({"impl": f"triton_{tier}", "pass": p} for tier in TIERS for p in ("forward", "backward")),
     {"impl": "sdpa_cudnn", "pass": "forward"},
     {"impl": "sdpa_cudnn", "pass": "backward"},
 ]
+
+
+def tiers_for(d: int) -> list[str]:
+    """The tiers of ours that run a causal bf16 shape of head dim d on this GPU (flash_tiers)."""
+    from cs336_systems.kernels import flash_tiers
+
+    device = torch.device("cuda")
+    ran = []
+    for tier in TIERS:
+        try:
+            if flash_tiers.get(tier).supports(device, torch.bfloat16, d, True):
+                ran.append(tier)
+        except flash_tiers.TierUnavailableError:
+            pass
+    return ran
+
+
+def units(d: int) -> list[dict]:
+    ran = {f"triton_{tier}" for tier in tiers_for(d)}
+    return [u for u in UNITS if u["impl"] in ran or not u["impl"].startswith("triton")]
 
 
 def shape(text: str) -> tuple[int, int, int, int]:
@@ -74,8 +97,9 @@ def workload(b: int, h: int, n: int, d: int, configs_out: str) -> None:
     """Warm-up (autotuning, cuDNN's plan, the marker's compile), then the profiled units, each after a marker."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cs336_systems.kernels import flash_triton
+    from cs336_systems.kernels import flash_tiers, flash_triton
 
+    tiers = [flash_tiers.get(tier) for tier in tiers_for(d)]
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(b * h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     q4, k4, v4 = (t.view(b, h, n, d).detach().requires_grad_() for t in (q, k, v))
@@ -88,10 +112,11 @@ def workload(b: int, h: int, n: int, d: int, configs_out: str) -> None:
     def run_units(profiled: bool) -> None:
         if profiled:
             torch.cuda.profiler.start()
-        ncu.mark_unit(flag)
-        o, lse = flash_triton.flash_forward(q, k, v, True)
-        ncu.mark_unit(flag)
-        flash_triton.flash_backward(q, k, v, o, do, lse, True)
+        for tier in tiers:
+            ncu.mark_unit(flag)
+            o, lse = tier.forward(q, k, v, True)
+            ncu.mark_unit(flag)
+            tier.backward(q, k, v, o, do, lse, True)
         ncu.mark_unit(flag)
         out = cudnn_forward()
         ncu.mark_unit(flag)
@@ -132,12 +157,12 @@ def profile(b: int, h: int, n: int, d: int, metrics: list[str]) -> list[dict]:
         try:
             if done.returncode != 0:
                 raise RuntimeError(f"ncu exited with {done.returncode} (see the log)")
-            rows = ncu.credit_to_units(ncu.kernels(ncu.raw_page(report)), UNITS)
+            rows = ncu.credit_to_units(ncu.kernels(ncu.raw_page(report)), units(d))
             chosen = json.loads(configs.read_text())
         except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as exc:
             failed = {"status": "error", "error": str(exc).splitlines()[0][:300]}
             bench.log("flash_ncu", f"  error: {failed['error']}")
-            return [{**columns, **unit, **failed} for unit in UNITS]
+            return [{**columns, **unit, **failed} for unit in units(d)]
     for row in rows:
         row.update(columns, config=chosen.get(row["kernel"]), status="ok")
     return rows

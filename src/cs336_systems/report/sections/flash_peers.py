@@ -17,7 +17,16 @@ from cs336_systems.report.sections.flash import (
     interpreted_checks,
 )
 
-PEERS = {"triton": "ours", "sdpa_cudnn": "cuDNN", "sdpa_flash": "SDPA flash", "flex": "FlexAttention"}
+PEERS = {
+    "triton": "ours",
+    "triton_portable": "ours, portable tier",
+    "triton_hopper": "ours, Hopper tier",
+    "sdpa_cudnn": "cuDNN",
+    "sdpa_flash": "SDPA flash",
+    "flex": "FlexAttention",
+}
+# The kernel tiers ours runs (kernels/flash_tiers.py), as the writeup names them.
+TIER_NAMES = {"hopper": "the Hopper tier (Gluon, sm_90)", "portable": "the portable Triton tier"}
 PASSES = {"forward": "forward", "backward": "backward", "forward_backward": "fwd+bwd"}
 # At or below this multiple of the sum of its passes timed alone, a forward+backward is bound by the GPU work.
 HOST_BOUND = 1.25
@@ -27,8 +36,42 @@ ALT = "our FlashAttention-2 and PyTorch's attention backends, time as a multiple
 def render(ctx: Context) -> str:
     return "\n\n".join(
         [
+            f"### The kernels' tests on this GPU\n\n{gpu_tests(ctx)}",
             f"### Time against SDPA's cuDNN and flash backends and FlexAttention\n\n{peers(ctx)}",
             f"### Where the time goes: Nsight Compute\n\n{kernel_profile(ctx)}",
+        ]
+    )
+
+
+@reason_if_not_run
+def gpu_tests(ctx: Context) -> str:
+    """The pass/fail table of the kernels' tests, run on the GPU of the timings (experiments/gpu_tests.py)."""
+    frame, metas = ctx.require(
+        "gpu_tests",
+        "The kernels' tests on the GPU",
+        off_gpu=f"the kernels' tests of this part run on a GPU, and {INTERPRETED_ONLY}; {CHECKED_ABOVE}",
+    )
+    counts = frame.pivot_table(index="file", columns="outcome", values="test", aggfunc="count", fill_value=0)
+    counts = counts.reindex(columns=[o for o in ("passed", "failed", "error", "skipped") if o in counts])
+    failed = frame[frame["outcome"].isin(["failed", "error"])]
+    verdict = (
+        f"All {int((frame['outcome'] == 'passed').sum())} tests that ran passed"
+        if failed.empty
+        else f"**{len(failed)} failed**: "
+        + "; ".join(f"`{t}` ({m})" for t, m in zip(failed["test"], failed["message"], strict=True))
+    )
+    skipped = frame[frame["outcome"] == "skipped"]["message"].value_counts()
+    why = "; ".join(f"{n} skipped: {m}" for m, n in skipped.items())
+    return "\n".join(
+        [
+            provenance_line(metas),
+            "",
+            "Each file in a pytest process of its own on this GPU, at the commit above: the Hopper tier against a "
+            "float64 reference and the portable tier, the portable tier compiled on CUDA.",
+            "",
+            md(counts.reset_index()),
+            "",
+            f"{verdict}." + (f" {why}." if why else ""),
         ]
     )
 
@@ -95,7 +138,7 @@ def peer_findings(wide: pd.DataFrame, ok: pd.DataFrame) -> str:
     if not {"triton", "sdpa_cudnn"} <= set(wide.columns):
         return "_Needs our kernel and cuDNN in the same cells._"
     ratio = (wide["triton"] / wide["sdpa_cudnn"]).dropna().rename("ratio").reset_index()
-    sentences = []
+    sentences = [tiers_ran(ok)]
     for pass_name in [p for p in PASSES if p in set(ratio["pass"])]:
         rows = ratio[ratio["pass"] == pass_name]
         won = rows[rows["ratio"] <= 1]
@@ -112,7 +155,7 @@ def peer_findings(wide: pd.DataFrame, ok: pd.DataFrame) -> str:
         sentences.append(
             f"Median forward+backward ratio by head dim: {medians}; widest at d {by_d.idxmax()}."
         )
-    for other in ("sdpa_flash", "flex"):
+    for other in ("triton_portable", "sdpa_flash", "flex"):
         if other in wide:
             fb = (wide[other] / wide["triton"]).xs("forward_backward", level="pass").dropna()
             if len(fb):
@@ -122,6 +165,17 @@ def peer_findings(wide: pd.DataFrame, ok: pd.DataFrame) -> str:
                 )
     sentences += [host_bound(wide), first_calls(ok)]
     return " ".join(s for s in sentences if s)
+
+
+def tiers_ran(ok: pd.DataFrame) -> str:
+    """Which kernel tier "ours" ran, from the rows' tier column (results from before the tiers have none)."""
+    if "tier" not in ok:
+        return "Ours: the portable Triton kernels (these results predate the kernel tiers)."
+    counts = ok[ok["impl"] == "triton"]["tier"].value_counts()
+    ran = "; ".join(
+        f"{TIER_NAMES.get(t, t)} in {n} of {counts.sum()} measurements" for t, n in counts.items()
+    )
+    return f"Ours ran {ran}." if ran else ""
 
 
 def host_bound(wide: pd.DataFrame) -> str:
@@ -241,29 +295,36 @@ def profile_findings(ok: pd.DataFrame) -> str:
     for shape, rows in ok.groupby("shape", sort=False):
         units = rows.groupby(["impl", "pass"]).agg(ms=("duration_ms", "sum"), ops=("tensor_ops", "sum"))
         main = rows.loc[rows.groupby(["impl", "pass"])["duration_ms"].idxmax()].set_index(["impl", "pass"])
-        if not {
-            ("ours", "forward"),
-            ("cuDNN", "forward"),
-            ("ours", "backward"),
-            ("cuDNN", "backward"),
-        } <= set(units.index):
-            continue
-        ours_f, cudnn_f = main.loc[("ours", "forward")], main.loc[("cuDNN", "forward")]
-        sentences.append(
-            f"At {shape}, forward: ours keeps the tensor pipe busy {ours_f['tensor_pipe_pct']:.0f} % of the time "
-            f"(CTAs of {ours_f['block_size']:.0f} threads at {ours_f['registers_per_thread']:.0f} registers each, "
-            f"{ours_f['achieved_occupancy_pct']:.1f} % occupancy, top stall {ours_f['stall_1']}) against cuDNN's "
-            f"{cudnn_f['tensor_pipe_pct']:.0f} % ({cudnn_f['block_size']:.0f} threads at "
-            f"{cudnn_f['registers_per_thread']:.0f} registers, a persistent grid of {cudnn_f['grid_size']:.0f} "
-            f"CTAs): {units.loc[('ours', 'forward'), 'ms'] / units.loc[('cuDNN', 'forward'), 'ms']:.2f}× its time."
-        )
-        work = units.loc[("ours", "backward"), "ops"] / units.loc[("cuDNN", "backward"), "ops"]
-        rate = (units.loc[("ours", "backward"), "ops"] / units.loc[("ours", "backward"), "ms"]) / (
-            units.loc[("cuDNN", "backward"), "ops"] / units.loc[("cuDNN", "backward"), "ms"]
-        )
-        sentences.append(
-            f"Backward: ours executes {work:.2f}× cuDNN's tensor-core work (our atomic-free dQ pass recomputes "
-            f"Q Kᵀ and dO Vᵀ: 7 matmuls of the N² d kind against 5) at {rate:.2f}× its rate, so it takes "
-            f"{work / rate:.2f}× its time."
-        )
+        for ours in (
+            "ours, Hopper tier",
+            "ours, portable tier",
+            "ours",
+        ):  # "ours": results from before the tiers
+            if not {(impl, p) for impl in (ours, "cuDNN") for p in ("forward", "backward")} <= set(
+                units.index
+            ):
+                continue
+            ours_f, cudnn_f = main.loc[(ours, "forward")], main.loc[("cuDNN", "forward")]
+            sentences.append(
+                f"At {shape}, forward: {ours} keeps the tensor pipe busy {ours_f['tensor_pipe_pct']:.0f} % of the "
+                f"time (CTAs of {ours_f['block_size']:.0f} threads at {ours_f['registers_per_thread']:.0f} "
+                f"registers each, {ours_f['achieved_occupancy_pct']:.1f} % occupancy, top stall "
+                f"{ours_f['stall_1']}) against cuDNN's {cudnn_f['tensor_pipe_pct']:.0f} % "
+                f"({cudnn_f['block_size']:.0f} threads at {cudnn_f['registers_per_thread']:.0f} registers, a "
+                f"persistent grid of {cudnn_f['grid_size']:.0f} CTAs): "
+                f"{units.loc[(ours, 'forward'), 'ms'] / units.loc[('cuDNN', 'forward'), 'ms']:.2f}× its time."
+            )
+            work = units.loc[(ours, "backward"), "ops"] / units.loc[("cuDNN", "backward"), "ops"]
+            rate = (units.loc[(ours, "backward"), "ops"] / units.loc[(ours, "backward"), "ms"]) / (
+                units.loc[("cuDNN", "backward"), "ops"] / units.loc[("cuDNN", "backward"), "ms"]
+            )
+            design = (
+                "its dQ added atomically: 5 matmuls of the N² d kind, as cuDNN's"
+                if ours == "ours, Hopper tier"
+                else "our atomic-free dQ pass recomputes Q Kᵀ and dO Vᵀ: 7 matmuls of the N² d kind against 5"
+            )
+            sentences.append(
+                f"Backward: {ours} executes {work:.2f}× cuDNN's tensor-core work ({design}) at {rate:.2f}× its "
+                f"rate, so it takes {work / rate:.2f}× its time."
+            )
     return " ".join(sentences)

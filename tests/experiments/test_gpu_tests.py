@@ -1,0 +1,66 @@
+"""experiments/gpu_tests.py: the kernels' tests as rows, and the pass/fail table the writeup shows beside the
+timings."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from cs336_systems.experiments import gpu_tests
+from cs336_systems.report.context import Context
+from cs336_systems.report.sections import flash_peers
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" tests="3">
+<testcase classname="tests.kernels.test_flash_hopper" name="test_a[bf16]" time="0.5"/>
+<testcase classname="tests.kernels.test_flash_hopper" name="test_b" time="0.25">
+  <failure message="AssertionError: relative errors above 0.03: {'dQ': 0.5}&#10;second line">trace</failure>
+</testcase>
+<testcase classname="tests.kernels.test_flash_hopper" name="test_c" time="0.0">
+  <skipped type="pytest.skip" message="needs a CUDA GPU of capability (9, 0)">skip</skipped>
+</testcase>
+</testsuite></testsuites>"""
+
+
+def test_junit_rows_keep_each_outcome_and_the_first_line_of_its_message():
+    rows = gpu_tests.junit_rows(JUNIT, "tests/kernels/test_flash_hopper.py")
+    assert [(r["test"].split("::")[1], r["outcome"]) for r in rows] == [
+        ("test_a[bf16]", "passed"),
+        ("test_b", "failed"),
+        ("test_c", "skipped"),
+    ]
+    assert rows[1]["message"] == "AssertionError: relative errors above 0.03: {'dQ': 0.5}"
+    assert rows[0]["seconds"] == 0.5
+
+
+def test_without_cuda_every_file_is_a_skipped_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_tests.torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "kernels.csv"
+    gpu_tests.main(["--tests", __file__, "--out", str(out)])
+    frame = pd.read_csv(out)
+    assert list(frame["status"]) == ["skipped"] and list(frame["reason"]) == ["needs CUDA"]
+
+
+def test_a_missing_test_file_is_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        gpu_tests.parse_args(["--tests", "tests/no_such_test.py", "--out", "x.csv"])
+    assert "--tests: no such file: tests/no_such_test.py" in capsys.readouterr().err
+
+
+def test_the_writeup_names_each_failure_and_counts_the_rest(tmp_path):
+    results = tmp_path / "results"
+    (results / "gpu_tests").mkdir(parents=True)
+    rows = [{**r, "status": "ok"} for r in gpu_tests.junit_rows(JUNIT, "tests/kernels/test_flash_hopper.py")]
+    pd.DataFrame(rows).to_csv(results / "gpu_tests/kernels.csv", index=False)
+    provenance = {
+        "device_name": "NVIDIA H200",
+        "device_count": 1,
+        "torch": "2.11",
+        "git_commit": "abc",
+        "timestamp": "t",
+    }
+    (results / "gpu_tests/kernels.json").write_text(json.dumps({"provenance": provenance, "params": {}}))
+    text = flash_peers.gpu_tests(Context("gpu", results, tmp_path))
+    assert "| tests/kernels/test_flash_hopper.py |" in text
+    assert "**1 failed**: `tests.kernels.test_flash_hopper::test_b`" in text
+    assert "1 skipped: needs a CUDA GPU of capability (9, 0)" in text
