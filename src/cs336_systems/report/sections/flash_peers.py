@@ -67,7 +67,8 @@ def gpu_tests(ctx: Context) -> str:
             provenance_line(metas),
             "",
             "Each file in a pytest process of its own on this GPU, at the commit above: the Hopper tier against a "
-            "float64 reference and the portable tier, the portable tier compiled on CUDA.",
+            "float64 reference (odd and power-of-two lengths, causal and not, head dims 64 and 128, bf16 and fp16) "
+            "and against the portable tier compiled on CUDA.",
             "",
             md(counts.reset_index()),
             "",
