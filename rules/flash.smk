@@ -133,14 +133,14 @@ rule gpu_tests:
     message:
         "the kernels' tests on this run's GPU -> {output.csv}"
     input:
-        [ancient(t) if VIEW_ONLY else t for t in GPU_TESTS + TEST_HELPERS],
-        code("experiments/gpu_tests.py") + FLASH_CODE,
+        tests=[ancient(t) if VIEW_ONLY else t for t in GPU_TESTS],
+        helpers=[ancient(t) if VIEW_ONLY else t for t in TEST_HELPERS],
+        code=code("experiments/gpu_tests.py") + FLASH_CODE,
     output:
         csv=report(f"{RESULTS}/gpu_tests/kernels.csv", caption="report/gpu_tests.rst",
                    category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),
         json=f"{RESULTS}/gpu_tests/kernels.json",
     params:
-        tests=listed(GPU_TESTS),
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/gpu_tests/kernels.csv"),
     threads: NEEDS["model"].threads
     resources:
@@ -151,7 +151,7 @@ rule gpu_tests:
         ENV
     shell:
         "pin_gpus {resources.gpu}; "
-        "python -m cs336_systems.experiments.gpu_tests --tests {params.tests} --out {output.csv} 2> {log}"
+        "python -m cs336_systems.experiments.gpu_tests --tests {input.tests} --out {output.csv} 2> {log}"
 
 
 # One job per (dtype, d_head): each is a few minutes on a GPU, so a cut-short run keeps the cells it finished.

@@ -24,16 +24,16 @@ def qkv(*shape, seed=0):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "not-causal"])
 @pytest.mark.parametrize("shape", [(1, 2, 9, 16), (2, 9, 16)], ids=["batch-heads", "heads"])
-@pytest.mark.parametrize("impl", ["pytorch_naive", "sdpa", "flex", "triton"])
+@pytest.mark.parametrize("impl", ["pytorch_naive", "sdpa", "flex", "triton", "triton_portable"])
 def test_implementations_are_the_attention_they_name(impl, shape, causal):
     q, k, v = qkv(*shape)
-    if impl == "triton":  # the interpreter's kernels take fp32, not fp64
+    if impl.startswith("triton"):  # the interpreter's kernels take fp32, not fp64
         q, k, v = (t.detach().float() for t in (q, k, v))
     if impl == "flex":  # FlexAttention has no backward on the CPU, and refuses inputs that need one
         q, k, v = (t.detach() for t in (q, k, v))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     got = bench.attention(impl, shape[-2], torch.device("cpu"), causal)(q, k, v)
-    torch.testing.assert_close(got, expected, **({"atol": 1e-5, "rtol": 1e-5} if impl == "triton" else {}))
+    torch.testing.assert_close(got, expected, **({"atol": 1e-5, "rtol": 1e-5} if impl.startswith("triton") else {}))
 
 
 def test_sdpa_pinned_to_a_backend_runs_that_backend():
@@ -104,6 +104,9 @@ def test_tier_names_ours_and_not_pytorchs():
     assert bench.tier("sdpa_cudnn", q) == bench.tier("pytorch_naive", q) == bench.PYTORCH_TIER == "pytorch"
     if not torch.cuda.is_available():  # ours run the portable Triton kernels in the interpreter
         assert bench.tier("triton", q) == bench.tier("triton_compiled", q) == "portable"
+        assert bench.tier("triton_portable", q) == "portable"
+        with pytest.raises(RuntimeError, match="'hopper' was forced"):  # a forced tier that cannot run: its row
+            bench.tier("triton_hopper", q)  # says why (flash_benchmark catches it per cell)
 
 
 @pytest.mark.parametrize("impl", ["triton", "triton_op"])

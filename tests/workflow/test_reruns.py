@@ -81,6 +81,7 @@ CODE_EDITS = [
             "flash_leaderboard": 1,
             "flash_peers": 2,
             "flash_ncu": 1,
+            "gpu_tests": 1,
             "residuals": 1,
             "train_step": 3,
             "train_step_components": 1,
