@@ -33,7 +33,9 @@ def test_implementations_are_the_attention_they_name(impl, shape, causal):
         q, k, v = (t.detach() for t in (q, k, v))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     got = bench.attention(impl, shape[-2], torch.device("cpu"), causal)(q, k, v)
-    torch.testing.assert_close(got, expected, **({"atol": 1e-5, "rtol": 1e-5} if impl.startswith("triton") else {}))
+    torch.testing.assert_close(
+        got, expected, **({"atol": 1e-5, "rtol": 1e-5} if impl.startswith("triton") else {})
+    )
 
 
 def test_sdpa_pinned_to_a_backend_runs_that_backend():
@@ -105,7 +107,9 @@ def test_tier_names_ours_and_not_pytorchs():
     if not torch.cuda.is_available():  # ours run the portable Triton kernels in the interpreter
         assert bench.tier("triton", q) == bench.tier("triton_compiled", q) == "portable"
         assert bench.tier("triton_portable", q) == "portable"
-        with pytest.raises(RuntimeError, match="'hopper' was forced"):  # a forced tier that cannot run: its row
+        with pytest.raises(
+            RuntimeError, match="'hopper' was forced"
+        ):  # a forced tier that cannot run: its row
             bench.tier("triton_hopper", q)  # says why (flash_benchmark catches it per cell)
 
 
