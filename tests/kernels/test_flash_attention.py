@@ -13,7 +13,6 @@ TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRE
 os.environ["TRITON_INTERPRET"] = "1"
 
 import json  # noqa: E402
-import subprocess  # noqa: E402
 
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
@@ -31,6 +30,7 @@ from cs336_systems.kernels.flash_attention import (  # noqa: E402
 )
 
 from ..attention_reference import reference, rel_err  # noqa: E402
+from ..fresh_process import assert_passes_in_fresh_process  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
@@ -221,14 +221,7 @@ def test_compiled_on_cuda_does_not_hide_out_of_memory(monkeypatch):
 
 @pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the kernel tests ran in this process")
 def test_kernel_tests_in_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not fresh_process"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert_passes_in_fresh_process(__file__)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import types
 TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ["TRITON_INTERPRET"] = "1"
 
-import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -22,6 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from cs336_systems.kernels import flash_attention, flash_tiers, flash_triton  # noqa: E402
 from cs336_systems.kernels.flash_attention import FlashAttentionTriton  # noqa: E402
+
+from ..fresh_process import assert_passes_in_fresh_process  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
@@ -353,11 +354,4 @@ def test_dispatch_modes_see_the_forward_operator():
 
 @pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the tests ran in this process")
 def test_launch_tests_in_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not fresh_process"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert_passes_in_fresh_process(__file__)

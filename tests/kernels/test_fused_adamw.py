@@ -7,12 +7,13 @@ import sys
 TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ["TRITON_INTERPRET"] = "1"
 
-import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from cs336_systems.kernels.fused_adamw import FusedAdamW  # noqa: E402
+
+from ..fresh_process import assert_passes_in_fresh_process  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
@@ -78,12 +79,4 @@ def test_non_contiguous_parameters_are_refused():
 
 @pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the kernel tests ran in this process")
 def test_kernel_tests_in_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not fresh_process"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert_passes_in_fresh_process(__file__)

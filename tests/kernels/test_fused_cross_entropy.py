@@ -7,13 +7,14 @@ import sys
 TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ["TRITON_INTERPRET"] = "1"
 
-import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from cs336_systems.kernels.fused_cross_entropy import cross_entropy_rows_, fused_linear_cross_entropy  # noqa: E402
+
+from ..fresh_process import assert_passes_in_fresh_process  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
@@ -96,12 +97,4 @@ def test_bad_inputs_name_what_is_wrong():
 
 @pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the kernel tests ran in this process")
 def test_kernel_tests_in_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not fresh_process"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert_passes_in_fresh_process(__file__)

@@ -21,6 +21,8 @@ import torch  # noqa: E402
 from cs336_systems.experiments import train_step_benchmark, train_step_check  # noqa: E402
 from cs336_systems.training.stacks import STACKS, build_step, model_flops  # noqa: E402
 
+from ..fresh_process import assert_passes_in_fresh_process  # noqa: E402
+
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
 )
@@ -430,12 +432,4 @@ def test_check_cli_passes_correct_stacks_and_fails_a_wrong_one(tmp_path: Path, m
 
 @pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the kernel tests ran in this process")
 def test_kernel_tests_in_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-k", "not fresh_process"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+    assert_passes_in_fresh_process(__file__)
