@@ -52,8 +52,8 @@ def junit_rows(xml_text: str, file: str) -> list[dict]:
             found = case.find(tag)
             if found is not None:
                 outcome = "failed" if tag == "failure" else tag
-                message = (found.get("message") or found.text or "").strip().splitlines()[0:1]
-                message = message[0][:300] if message else ""
+                lines = (found.get("message") or found.text or "").strip().splitlines()
+                message = lines[0][:300] if lines else ""
                 break
         rows.append(
             {

@@ -738,8 +738,9 @@ SINCE_BUILD = "peak since build (includes the build's transient)"
 def since_build(cells: pd.DataFrame) -> bool:
     """Whether the cells' `peak_mib` is the peak since the model's build, not the step's own: tables written
     before the build's peak had a column of its own, when the peak statistics were reset only before the build
-    (then a sharded stack's peak is its build's transient, the whole model on every GPU, wherever that was
-    higher than the step's). False where no cell has a peak (the CPU)."""
+    (then the recorded peak is the build's wherever the build went higher than the steps; the 2x H200 run that
+    first recorded both found the steps higher, but an older table cannot say). False where no cell has a peak
+    (the CPU)."""
     measured = cells[(cells["status"] == "ok") & cells["peak_mib"].notna()]
     if measured.empty:
         return False
