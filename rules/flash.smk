@@ -124,8 +124,9 @@ rule flash_ncu:
 
 
 # The kernels' tests on the GPU that times them, each file in a pytest process of its own: the Hopper tier's against
-# float64 and against the portable tier compiled on CUDA. Their pass/fail table is published beside the timings.
-GPU_TESTS = ["tests/kernels/test_flash_hopper.py"]
+# float64 and against the portable tier compiled on CUDA, and the portable tier's launch cache. Their pass/fail
+# table is published beside the timings.
+GPU_TESTS = ["tests/kernels/test_flash_hopper.py", "tests/kernels/test_flash_launch_gpu.py"]
 TEST_HELPERS = ["tests/conftest.py", "tests/attention_reference.py"]
 
 
