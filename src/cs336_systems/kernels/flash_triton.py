@@ -436,7 +436,8 @@ def empty_kernel(x_ptr):
 class CachedLaunch:
     """Launches one kernel (`triton.autotune`d or a plain `triton.jit`) by a key of everything the compiled kernel
     is specialised on but the pointers' alignment: the caller's key (dtype, sizes, causal flag) and the current
-    device; pointers must all be 16-byte aligned (Triton specialises on that) for the cache to be used.
+    device; pointers must all be 16-byte aligned (Triton specialises on that) for the cache to be used. The leading
+    arguments are tensors or TMA descriptors (the Hopper tier's), whose base tensor counts.
 
     A key's first launch goes through Triton (the autotuner tunes or looks up its config, the JIT binds arguments
     and finds or compiles the kernel) and records what ran: config, grid, the non-tensor arguments in the kernel's
@@ -500,7 +501,7 @@ class CachedLaunch:
 def _aligned(tensors: tuple) -> bool:
     bits = 0
     for t in tensors:
-        bits |= t.data_ptr()
+        bits |= getattr(t, "base", t).data_ptr()  # a TMA descriptor's base tensor
     return bits % 16 == 0
 
 

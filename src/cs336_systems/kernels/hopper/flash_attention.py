@@ -76,9 +76,12 @@ def supports(device: torch.device, dtype: torch.dtype, head_dim: int, is_causal:
         return False
     if dtype not in DTYPES or head_dim not in HEAD_DIMS:
         return False
-    if torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    return gluon_available()
+    return _is_sm90(device) and gluon_available()
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:  # cached: every launch checks its inputs
+    return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,20 @@ def _kernels():
 
 
 @functools.cache
+def _launch(kernel: str):
+    """The launch cache of one kernel (`flash_triton.CachedLaunch`): Triton's dispatch at a key's first launch
+    only. A key is everything the compiled kernel and its grid depend on: dtype, sizes, causal flag, config."""
+    from cs336_systems.kernels.flash_triton import CachedLaunch
+
+    return CachedLaunch(getattr(_kernels(), kernel))
+
+
+def clear_launch_cache() -> None:
+    """Forget every recorded launch (and the kernels' launch caches)."""
+    _launch.cache_clear()
+
+
+@functools.cache
 def _smem_layout(dtype: torch.dtype, block_shape: tuple[int, ...]):
     from triton.experimental.gluon import language as gl
 
@@ -191,25 +208,25 @@ def forward(
     cfg = forward_config(d, max(n_queries, n_keys), is_causal)
     o = torch.empty_like(q)
     lse = torch.empty((batch, n_queries), dtype=torch.float32, device=q.device)
-    grid = (math.ceil(n_queries / cfg.bm), batch)
-    _kernels().flash_fwd_kernel[grid](
-        _descriptor(q, (1, 64, d)),
-        _descriptor(k, (1, cfg.bn, d)),
-        _descriptor(v, (1, cfg.bn, d)),
-        _descriptor(o, (1, 64, d)),
-        lse,
-        n_queries,
-        n_keys,
-        math.log2(math.e) / math.sqrt(d),
-        IS_CAUSAL=is_causal,
-        BM=cfg.bm,
-        BN=cfg.bn,
-        D=d,
-        STAGES=cfg.stages,
-        PINGPONG=cfg.pingpong,
-        CONS_REGS=cfg.cons_regs,
-        num_warps=cfg.num_warps,
-        maxnreg=cfg.maxnreg,
+    descriptors = _descriptor(q, (1, 64, d)), _descriptor(k, (1, cfg.bn, d)), _descriptor(v, (1, cfg.bn, d))
+    _launch("flash_fwd_kernel")(
+        (q.dtype, batch, n_queries, n_keys, d, is_causal, cfg),
+        (math.ceil(n_queries / cfg.bm), batch),
+        (*descriptors, _descriptor(o, (1, 64, d)), lse),
+        lambda: {
+            "N_QUERIES": n_queries,
+            "N_KEYS": n_keys,
+            "qk_scale": math.log2(math.e) / math.sqrt(d),
+            "IS_CAUSAL": is_causal,
+            "BM": cfg.bm,
+            "BN": cfg.bn,
+            "D": d,
+            "STAGES": cfg.stages,
+            "PINGPONG": cfg.pingpong,
+            "CONS_REGS": cfg.cons_regs,
+            "num_warps": cfg.num_warps,
+            "maxnreg": cfg.maxnreg,
+        },
     )
     return o, lse
 
@@ -230,43 +247,46 @@ def backward(
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
     cfg = backward_config(d, max(n_queries, n_keys), is_causal)
-    kernels = _kernels()
+    key = (q.dtype, batch, n_queries, n_keys, d, is_causal, cfg)
     n_pad = math.ceil(n_queries / cfg.bm) * cfg.bm
     lse2 = torch.empty((batch, n_pad), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
-    kernels.bwd_preprocess_kernel[(math.ceil(n_pad / _PREPROCESS_ROWS), batch)](
-        o, do, lse, lse2, delta, n_queries, n_pad, D=d, ROWS=_PREPROCESS_ROWS, num_warps=4
+    dq_accum = torch.empty((batch, n_queries, d), dtype=torch.float32, device=q.device)  # zeroed by the first
+    _launch("bwd_preprocess_kernel")(
+        key,
+        (math.ceil(n_pad / _PREPROCESS_ROWS), batch),
+        (o, do, lse, lse2, delta, dq_accum),
+        lambda: {"N_QUERIES": n_queries, "N_PAD": n_pad, "D": d, "ROWS": _PREPROCESS_ROWS, "num_warps": 4},
     )
-    dq_accum = torch.zeros((batch, n_queries, d), dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     scale = 1.0 / math.sqrt(d)
-    grid = (math.ceil(n_keys / cfg.bn), batch)
-    kernels.flash_bwd_kernel[grid](
-        _descriptor(k, (1, cfg.bn, d)),
-        _descriptor(v, (1, cfg.bn, d)),
-        _descriptor(q, (1, cfg.bm, d)),
-        _descriptor(do, (1, cfg.bm, d)),
-        _descriptor(lse2, (1, cfg.bm)),
-        _descriptor(delta, (1, cfg.bm)),
-        _descriptor(dk, (1, cfg.bn, d)),
-        _descriptor(dv, (1, cfg.bn, d)),
-        dq_accum,
-        n_queries,
-        n_keys,
-        scale * math.log2(math.e),
-        scale,
-        IS_CAUSAL=is_causal,
-        BM=cfg.bm,
-        BN=cfg.bn,
-        D=d,
-        STAGES=cfg.stages,
-        DQ_VEC=cfg.dq_vec,
-        num_warps=cfg.num_warps,
-        maxnreg=cfg.maxnreg,
+    inputs = (k, (1, cfg.bn, d)), (v, (1, cfg.bn, d)), (q, (1, cfg.bm, d)), (do, (1, cfg.bm, d))
+    rows = (lse2, (1, cfg.bm)), (delta, (1, cfg.bm)), (dk, (1, cfg.bn, d)), (dv, (1, cfg.bn, d))
+    _launch("flash_bwd_kernel")(
+        key,
+        (math.ceil(n_keys / cfg.bn), batch),
+        (*(_descriptor(t, block) for t, block in inputs + rows), dq_accum),
+        lambda: {
+            "N_QUERIES": n_queries,
+            "N_KEYS": n_keys,
+            "qk_scale": scale * math.log2(math.e),
+            "scale": scale,
+            "IS_CAUSAL": is_causal,
+            "BM": cfg.bm,
+            "BN": cfg.bn,
+            "D": d,
+            "STAGES": cfg.stages,
+            "DQ_VEC": cfg.dq_vec,
+            "num_warps": cfg.num_warps,
+            "maxnreg": cfg.maxnreg,
+        },
     )
     dq = torch.empty_like(q)
     n = dq.numel()
-    kernels.dq_convert_kernel[(math.ceil(n / _CONVERT_BLOCK),)](
-        dq_accum, dq, n, scale, BLOCK=_CONVERT_BLOCK, num_warps=4
+    _launch("dq_convert_kernel")(
+        key,
+        (math.ceil(n / _CONVERT_BLOCK),),
+        (dq_accum, dq),
+        lambda: {"N_ELEMENTS": n, "scale": scale, "BLOCK": _CONVERT_BLOCK, "num_warps": 4},
     )
     return dq, dk, dv
