@@ -27,7 +27,9 @@ Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
   the accumulators dK, dV in registers, and dQ = dS K by a wgmma reading dS from shared memory; dQ is converted to a
   row-major layout and added to a float32 buffer with atomics (coalesced; 4-wide at d = 64) and converted (times the softmax scale) to the input dtype at the end. A small
   Gluon kernel first writes L log2(e) and Delta = rowsum(O * dO) into padded rows (TMA needs 16-byte aligned
-  rows; padded queries get L = +inf, so their P is 0 without a mask).
+  rows; padded queries get L = +inf, so their P is 0 without a mask) and zeroes the dQ buffer.
+- Launches: after a shape's first, each kernel is launched from `flash_triton.CachedLaunch` (the compiled kernel's
+  own launcher, no JIT dispatch); only the TMA descriptors are built per call.
 - Descriptors are 3-D (batch, seq, d) with (1, tile, d) blocks: a tile never reads the next batch element's rows
   (TMA zero-fills rows past seq) and TMA stores clip them.
 
