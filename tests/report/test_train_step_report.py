@@ -504,3 +504,44 @@ def test_one_gpu_goals_and_the_layer_that_would_meet_the_step_goal(tmp_path):
     fits.loc[0, "per_layer_ms"], fits.loc[0, "step_ms"] = 115.0, 200.0 + 34 * 115.0  # 4.11 s: both goals met
     text = train_step.goal_text(fits.set_index("stack"))
     assert "Ours meets 2 of the 2 one-GPU goals." in text and "would have to take" not in text
+
+
+def one_gpu_fits(tmp_path: Path, steps_s: dict[str, float], monkeypatch, commit: str) -> None:
+    """The one-GPU table with only its fits to 34 layers (the step each stack extrapolates to), one file per stack,
+    at `commit`; the sharded table is written after, at another."""
+    monkeypatch.setenv("CS336_GIT_COMMIT", commit)
+    for stack, step_s in steps_s.items():
+        row = {"kind": "fit", "stack": stack, "num_layers": 34, "world_size": 1, "step_ms": step_s * 1e3,
+               "per_layer_ms": step_s * 1e3 / 40, "intercept_ms": step_s * 1e3 / 6, "peak_mib": NAN,
+               "status": "extrapolated"}  # fmt: skip
+        path = tmp_path / f"results/train_step/{stack}.csv"
+        write_rows(pd.DataFrame([row]), path, {"stacks": [stack]})
+    monkeypatch.setenv("CS336_GIT_COMMIT", "b" * 40)
+
+
+def test_sharding_overhead_against_the_one_gpu_extrapolation(tmp_path, monkeypatch):
+    one_gpu_fits(tmp_path, {"native": 4.58, "ours": 4.81, "plain": 9.0}, monkeypatch, commit="a" * 40)
+    rows = [cell("native_fsdp", 4710.0, 120 * 1024), cell("ours_fsdp", 5020.0, 120 * 1024),
+            cell("plain_fsdp", 9000.0, status="OOM")]  # fmt: skip
+    text = sharded(tmp_path, rows)
+    # 5.02 - 4.81 = +0.21 s against 4.71 - 4.58 = +0.13 s; the plain stack did not complete a step: no overhead
+    assert re.search(r"\| ours under our FSDP .*\| 5.02 +\| 4.81 +\| \+0.21 +\| aaaaaaaaaa", text)
+    assert re.search(r"\| PyTorch-native stack under FSDP2 .*\| 4.71 +\| 4.58 +\| \+0.13 +\|", text)
+    assert goal(text, "sharding overhead at most the native stack's")[1:] == ["+0.21 s", "≤ +0.13 s", "FAIL"]
+    assert "Ours meets 1 of the 4 two-GPU goals." in text
+    assert "measured at commit bbbbbbbbbb, the one-GPU fits at the commits in the last column" in text
+    assert "extrapolated to 34 layers" in text and "not a measurement" in text
+
+    one_gpu_fits(tmp_path, {"native": 4.58, "ours": 4.95}, monkeypatch, commit="b" * 40)
+    text = sharded(tmp_path, rows)
+    assert goal(text, "sharding overhead at most the native stack's")[1:] == ["+0.07 s", "≤ +0.13 s", "pass"]
+    assert "whatever changed between them" not in text  # both at one commit
+
+
+def test_no_overhead_goal_without_the_one_gpu_fits(tmp_path, monkeypatch):
+    one_gpu_fits(tmp_path, {"native": 4.58}, monkeypatch, commit="a" * 40)  # ours has no one-GPU fit
+    text = sharded(tmp_path, [cell("native_fsdp", 4710.0, 120 * 1024), cell("ours_fsdp", 5020.0, 120 * 1024)])
+    assert "sharding overhead at most" not in text and "Ours meets 1 of the 3 two-GPU goals." in text
+    assert re.search(
+        r"\| PyTorch-native stack under FSDP2 .*\| \+0.13 +\|", text
+    )  # the table shows what it has

@@ -33,6 +33,14 @@ GOAL_STEP_S = 4.2
 LEADERBOARD_LAYERS, LEADERBOARD_GPUS = 34, 2
 GOAL_FASTER = 0.08
 GOAL_PEAK_GIB = 135
+# Each sharded stack and the one-GPU stack it shards. Its sharding overhead: its step on several GPUs less that
+# stack's one-GPU step extrapolated to the same depth; ours' may be at most the native stack's (a two-GPU goal).
+UNSHARDED = {
+    "plain_fsdp": "plain",
+    "native_fsdp": "native",
+    "ours_fsdp": "ours",
+    "ours_fsdp_sdpa": "ours_sdpa",
+}
 SHARDED_WHAT = "The leaderboard's training step on several GPUs"
 
 
@@ -674,9 +682,12 @@ def sharded_text(ctx: Context) -> str:
             "Extrapolated (least squares of step time over the depths measured; not a measurement, and not "
             f"judged against the goals): {'; '.join(steps)}.",
         ]
+    overheads = sharding_overheads(ctx, cells, metas)
     out += [
         "",
-        sharded_goal_text(cells),
+        overhead_text(overheads, unit),
+        "",
+        sharded_goal_text(cells, overheads),
         "",
         against_native(cells, unit),
         "",
@@ -795,9 +806,60 @@ def wait(cell: pd.Series, column: str) -> str:
     return f"{cell[column]:,.1f}" if cell["status"] == "ok" and pd.notna(cell.get(column)) else "—"
 
 
-def sharded_goal_text(cells: pd.DataFrame) -> str:
+def sharding_overheads(ctx: Context, cells: pd.DataFrame, metas: list[dict]) -> pd.DataFrame:
+    """Per stack that completed a step at the leaderboard's depth on its GPUs and whose one-GPU stack has a fit to
+    that depth in the one-GPU table: both steps, the overhead (their difference) and both commits."""
+    columns = ["stack", "sharded_s", "one_gpu_s", "overhead_s", "sharded_commit", "one_gpu_commit"]
+    found = ctx.table("train_step")
+    if found is None:
+        return pd.DataFrame(columns=columns)
+    frame, fit_metas = found
+    fits = frame[frame["kind"] == "fit"].set_index("stack")
+    fit_commit = {s: commit_text(m["provenance"]) for m in fit_metas for s in m["params"].get("stacks", [])}
+    at = cells[(cells["num_layers"] == LEADERBOARD_LAYERS) & (cells["world_size"] == LEADERBOARD_GPUS)]
+    rows = []
+    for _, cell in at[at["status"] == "ok"].drop_duplicates("stack", keep="last").iterrows():
+        one = UNSHARDED.get(cell["stack"])
+        if one not in fits.index or fits.loc[one, "num_layers"] != cell["num_layers"]:
+            continue
+        sharded_s, one_gpu_s = cell["step_ms"] / 1e3, fits.loc[one, "step_ms"] / 1e3
+        rows.append([cell["stack"], sharded_s, one_gpu_s, sharded_s - one_gpu_s,
+                     ", ".join(sorted(commits(metas))), fit_commit.get(one, "unknown")])  # fmt: skip
+    return pd.DataFrame(rows, columns=columns)
+
+
+def overhead_text(overheads: pd.DataFrame, unit: str) -> str:
+    """The sharding overheads as a table, with how they are computed and, where the two steps were measured at
+    different commits, that the difference holds every change between them too."""
+    if overheads.empty:
+        return ""
+    table = pd.DataFrame(
+        {
+            "stack": [LABEL.get(s, s) for s in overheads["stack"]],
+            f"step on {LEADERBOARD_GPUS} {unit} (s)": overheads["sharded_s"].map("{:.2f}".format),
+            "one-GPU step, extrapolated (s)": overheads["one_gpu_s"].map("{:.2f}".format),
+            "sharding overhead (s)": overheads["overhead_s"].map(lambda x: signed(x, ".2f")),
+            "one-GPU commit": overheads["one_gpu_commit"],
+        }
+    )
+    mixed = overheads[overheads["sharded_commit"] != overheads["one_gpu_commit"]]
+    caveat = (
+        f" The sharded step was measured at commit {mixed['sharded_commit'].iloc[0]}, the one-GPU fits at the "
+        "commits in the last column: whatever changed between them counts in the difference too."
+        if len(mixed)
+        else ""
+    )
+    return (
+        f"**What sharding costs.** Sharding overhead = the step at {LEADERBOARD_LAYERS} layers on "
+        f"{LEADERBOARD_GPUS} {unit} − the same stack's one-GPU step extrapolated to {LEADERBOARD_LAYERS} layers "
+        "(intercept + slope × layers, the one-GPU table's fit; an extrapolation, not a measurement)."
+        f"{caveat}\n\n{text_md(table)}"
+    )
+
+
+def sharded_goal_text(cells: pd.DataFrame, overheads: pd.DataFrame | None = None) -> str:
     """The two-GPU goals, from the cells measured at the leaderboard's depth on its two GPUs (extrapolations do
-    not count)."""
+    not count); the sharding-overhead goal where both ours' and the native stack's overheads are known."""
     where = f"{LEADERBOARD_LAYERS} layers on {LEADERBOARD_GPUS} GPUs"
     at = cells[(cells["num_layers"] == LEADERBOARD_LAYERS) & (cells["world_size"] == LEADERBOARD_GPUS)]
     at = at.drop_duplicates("stack", keep="last").set_index("stack")
@@ -850,6 +912,17 @@ def sharded_goal_text(cells: pd.DataFrame) -> str:
         )
     else:
         notes.append("This device reports no allocator peak: the memory goal is not judged.")
+    overhead = {} if overheads is None else overheads.set_index("stack")["overhead_s"].to_dict()
+    if {"ours_fsdp", "native_fsdp"} <= overhead.keys():
+        ours_s, native_s = overhead["ours_fsdp"], overhead["native_fsdp"]
+        rows.append(
+            (
+                "sharding overhead at most the native stack's (extrapolated one-GPU steps)",
+                f"{signed(ours_s, '.2f')} s",
+                f"≤ {signed(native_s, '.2f')} s",
+                "pass" if ours_s <= native_s else "FAIL",
+            )
+        )
     table = pd.DataFrame(rows, columns=["goal (two GPUs)", "ours", "bound", "result"])
     met, unjudged = (table["result"] == "pass").sum(), (table["result"] == "not judged").sum()
     judged = f"; {unjudged} is not judged" if unjudged else ""
