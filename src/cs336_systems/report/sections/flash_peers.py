@@ -114,8 +114,31 @@ def peers(ctx: Context) -> str:
             "",
             md(table[order + [c for c in table if "÷" in c]], floatfmt=".3f"),
         ]
-    out += ["", peer_findings(wide, ok), "", ctx.figure(ratio_figure(wide), f"flash_peers_{ctx.run}", ALT)]
+    out += [
+        "",
+        throughput(ok, p.get("flop_convention")),
+        "",
+        peer_findings(wide, ok),
+        "",
+        ctx.figure(ratio_figure(wide), f"flash_peers_{ctx.run}", ALT),
+    ]
     return "\n".join(out)
+
+
+def throughput(ok: pd.DataFrame, convention: str | None) -> str:
+    """Each implementation's TFLOP/s at the longest sequence of each mask and head dim."""
+    longest = ok.groupby(["causal", "d_head"])["seq_len"].transform("max")
+    at = ok[ok["seq_len"] == longest]
+    table = at.pivot_table(index=["causal", "d_head", "seq_len", "pass"], columns="impl", values="tflops")
+    table = table.reset_index().sort_values(
+        ["causal", "d_head", "pass"], ascending=[False, True, True], key=pass_order
+    )
+    table["causal"] = table["causal"].map(mask)
+    table["pass"] = table["pass"].map(PASSES)
+    columns = ["causal", "d_head", "seq_len", "pass", *[i for i in PEERS if i in table]]
+    table = table[columns].rename(columns={**PEERS, "causal": "mask"})
+    rule = f" ({convention})" if convention else ""
+    return f"**Throughput at the longest sequence**, TFLOP/s{rule}:\n\n{md(table, floatfmt='.0f')}"
 
 
 def interpreted_peers(frame: pd.DataFrame, metas: list[dict]) -> str:
