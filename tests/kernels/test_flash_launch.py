@@ -175,6 +175,25 @@ def test_compiled_launches_pass_the_launcher_what_triton_s_jit_passes(monkeypatc
     )
 
 
+@launches_kernels
+def test_tma_descriptors_are_cached_by_their_base_tensor_s_alignment(monkeypatch):
+    # The Hopper tier's leading arguments are TMA descriptors: their base tensor's alignment decides, as a tensor's.
+    monkeypatch.setattr(flash_triton, "INTERPRET", False)
+    device = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda index: 77)
+    monkeypatch.setattr(flash_triton, "driver", types.SimpleNamespace(active=device))
+    kernel = FakeAutotuner()
+    launch = flash_triton.CachedLaunch(kernel)
+    aligned = types.SimpleNamespace(base=torch.zeros(8))
+    shifted = types.SimpleNamespace(base=torch.zeros(9)[1:])
+    scalars = lambda: {"N": 64, "scale": 0.5, "D": 16}  # noqa: E731
+    for _ in range(2):
+        launch(("key",), lambda meta: (1,), (aligned, shifted), scalars)
+    assert len(kernel.calls) == 2 and launch.launches == {}  # a misaligned base: through Triton every time
+    for _ in range(2):
+        launch(("key",), lambda meta: (1,), (aligned, aligned), scalars)
+    assert len(kernel.calls) == 3 and len(kernel.compiled.launches) == 1
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Tiers
 # ----------------------------------------------------------------------------------------------------------
