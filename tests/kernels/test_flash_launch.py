@@ -139,15 +139,20 @@ class FakeAutotuner(flash_triton.Autotuner):
         return self.compiled
 
 
-@launches_kernels
-def test_compiled_launches_pass_the_launcher_what_triton_s_jit_passes(monkeypatch):
-    # The GPU path, with a stand-in for the compiled kernel: later launches call its launcher with the grid, the
-    # current stream, the function and metadata, no hooks, and every argument in the kernel's order.
+def on_a_fake_gpu(monkeypatch) -> tuple[FakeAutotuner, flash_triton.CachedLaunch]:
+    """The compiled-kernel path (not interpreting) on device 0, stream 77: a fake kernel and its launch cache."""
     monkeypatch.setattr(flash_triton, "INTERPRET", False)
     device = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda index: 77)
     monkeypatch.setattr(flash_triton, "driver", types.SimpleNamespace(active=device))
     kernel = FakeAutotuner()
-    launch = flash_triton.CachedLaunch(kernel)
+    return kernel, flash_triton.CachedLaunch(kernel)
+
+
+@launches_kernels
+def test_compiled_launches_pass_the_launcher_what_triton_s_jit_passes(monkeypatch):
+    # The GPU path, with a stand-in for the compiled kernel: later launches call its launcher with the grid, the
+    # current stream, the function and metadata, no hooks, and every argument in the kernel's order.
+    kernel, launch = on_a_fake_gpu(monkeypatch)
     x, y = torch.zeros(4), torch.zeros(4)
     for _ in range(3):
         launch(
@@ -178,11 +183,7 @@ def test_compiled_launches_pass_the_launcher_what_triton_s_jit_passes(monkeypatc
 @launches_kernels
 def test_tma_descriptors_are_cached_by_their_base_tensor_s_alignment(monkeypatch):
     # The Hopper tier's leading arguments are TMA descriptors: their base tensor's alignment decides, as a tensor's.
-    monkeypatch.setattr(flash_triton, "INTERPRET", False)
-    device = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda index: 77)
-    monkeypatch.setattr(flash_triton, "driver", types.SimpleNamespace(active=device))
-    kernel = FakeAutotuner()
-    launch = flash_triton.CachedLaunch(kernel)
+    kernel, launch = on_a_fake_gpu(monkeypatch)
     aligned = types.SimpleNamespace(base=torch.zeros(8))
     shifted = types.SimpleNamespace(base=torch.zeros(9)[1:])
     scalars = lambda: {"N": 64, "scale": 0.5, "D": 16}  # noqa: E731
