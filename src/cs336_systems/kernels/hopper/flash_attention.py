@@ -253,7 +253,8 @@ def backward(
     n_pad = math.ceil(n_queries / cfg.bm) * cfg.bm
     lse2 = torch.empty((batch, n_pad), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
-    dq_accum = torch.empty((batch, n_queries, d), dtype=torch.float32, device=q.device)  # zeroed by the first
+    # dQ's float32 accumulator, zeroed by the preprocess kernel
+    dq_accum = torch.empty((batch, n_queries, d), dtype=torch.float32, device=q.device)
     _launch("bwd_preprocess_kernel")(
         key,
         (math.ceil(n_pad / _PREPROCESS_ROWS), batch),
