@@ -545,3 +545,29 @@ def test_no_overhead_goal_without_the_one_gpu_fits(tmp_path, monkeypatch):
     assert re.search(
         r"\| PyTorch-native stack under FSDP2 .*\| \+0.13 +\|", text
     )  # the table shows what it has
+
+
+def test_the_ten_minute_rule_on_several_gpus(tmp_path):
+    params = {**PARAMS, "warmup_ms": 10000, "rep_ms": 30000, "num_layers": [34]}
+    clock = {"build_s": 20.0, "first_step_s": 150.0, "warmup_steps": 2, "timed_steps": 6}
+    for stack, elapsed in (("native_fsdp", 380.0), ("ours_fsdp", 640.0)):
+        row = {**cell(stack, 4700.0, 120 * 1024, 0.5), **clock, "elapsed_s": elapsed}
+        write_rows(pd.DataFrame([row]), tmp_path / f"results/train_step_sharded_cold/{stack}.csv", params)
+    ctx = Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report")
+    text = train_step.sharded_cold_text(ctx)
+    assert text.startswith("_Measured on ") and "10 s of warm-up and 30 s of repetition" in text
+    assert "ours under our FSDP (compiled blocks, head and embedding as units): 2 warm-up and 6 timed" in text
+    assert re.search(r"\| ours under our FSDP .*\| 640 +\| FAIL +\|", text)
+    assert re.search(r"\| PyTorch-native stack under FSDP2 .*\| 380 +\| pass +\|", text)
+    assert "Over the 10 minutes: ours under our FSDP (compiled blocks, head and embedding as units) took 640 s, " \
+        "150 s of them in the first step." in text  # fmt: skip
+
+
+def test_the_ten_minute_rule_skipped_without_the_gpus(tmp_path):
+    ctx = Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report")
+    assert train_step.sharded_cold_text(ctx) == ""  # not in this run: nothing
+    write_rows([{"status": "skipped", "reason": "needs 2 GPUs, found 0", "world_size": 2}],
+               tmp_path / "results/train_step_sharded_cold/ours_fsdp.csv", {"module": "x"})  # fmt: skip
+    text = train_step.sharded_cold_text(ctx)
+    assert text.startswith("**The spec's run and its 10-minute rule, on several GPUs.**")
+    assert "Not measured in this run: needs 2 GPUs, found 0." in text

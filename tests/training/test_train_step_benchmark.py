@@ -9,9 +9,11 @@ import sys
 TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 os.environ["TRITON_INTERPRET"] = "1"
 
+import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import subprocess  # noqa: E402
+import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pandas as pd  # noqa: E402
@@ -264,6 +266,43 @@ def test_the_steps_peak_is_not_the_builds(monkeypatch):
     result = stack_timing.measure("plain", 1, args, torch.device("cpu"), 0.0)
     assert len(steps) >= 4  # the first, one warm-up and two timed (then the ones after the peaks are read)
     assert (result["build_peak_mib"], result["first_step_peak_mib"], result["peak_mib"]) == (110, 80, 35)
+
+
+def test_time_budgets_become_step_counts_every_rank_shares(monkeypatch):
+    """On several ranks `--time-budgets` turns do_bench's warm-up and repetition times into step counts from the
+    slowest rank's step, the same on every rank (an all-reduce of the maximum); without it the fixed counts run."""
+    import torch.distributed as dist
+
+    from cs336_systems.bench import stack_timing
+
+    runs = []
+
+    def this_rank(step, warmup, steps, device):  # 100 ms a step here
+        runs.append((warmup, steps))
+        return [0.1] * steps
+
+    def slowest_rank(tensor, op):  # another rank takes 250 ms a step
+        assert op == dist.ReduceOp.MAX
+        tensor.clamp_(min=0.25)
+
+    monkeypatch.setattr(stack_timing, "time_steps", this_rank)
+    ranks = types.SimpleNamespace(
+        is_initialized=lambda: True, all_reduce=slowest_rank, ReduceOp=dist.ReduceOp
+    )
+    monkeypatch.setattr(stack_timing, "dist", ranks)
+    args = argparse.Namespace(time_budgets=True, warmup_ms=1000, rep_ms=3000, warmup_steps=1, steps=3)
+    ms, counts = stack_timing.time_step(lambda: None, torch.device("cpu"), args)
+    assert counts == {"warmup_steps": 4, "timed_steps": 12}  # 1,000 / 250 and 3,000 / 250
+    assert runs == [(0, 1), (4, 0), (0, 12)] and ms == 250.0  # the estimate, the warm-up, the timed steps
+    runs.clear()
+    ms, counts = stack_timing.time_step(
+        lambda: None, torch.device("cpu"), argparse.Namespace(**{**vars(args), "time_budgets": False})
+    )
+    assert counts == {"warmup_steps": 1, "timed_steps": 3} and runs == [(1, 0), (0, 3)]
+    assert stack_timing.budget_steps(5000.0, 1000, 3000) == (
+        1,
+        1,
+    )  # a step longer than both budgets: one each
 
 
 @launches_kernels

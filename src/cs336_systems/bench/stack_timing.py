@@ -1,5 +1,6 @@
 """What the 2026 leaderboard's training-step benchmark measures (experiments/train_step_benchmark.py): each
-(stack, depth) cell timed (do_bench on one GPU; a fixed step count on every rank under the launcher), its peak
+(stack, depth) cell timed (do_bench on one GPU; under the launcher a step count every rank shares: fixed, or
+do_bench's time budgets turned into counts), its peak
 memory (PEAKS: the build's, the first step's and the steps' after it, each from its own reset) and clock, what one device keeps between steps, and the per-layer least-squares fit extrapolated to the
 leaderboard's depth (labelled as an extrapolation). The arguments are the CLI's (`args`)."""
 
@@ -47,15 +48,28 @@ def peak_mib(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else float("nan")
 
 
-def time_step(step, device: torch.device, args: argparse.Namespace) -> float:
-    """Milliseconds per call of `step`: do_bench's median on one CUDA device; on several ranks the median over
-    steps of the slowest rank's time; the median of wall times elsewhere."""
+def time_step(step, device: torch.device, args: argparse.Namespace) -> tuple[float, dict]:
+    """Milliseconds per call of `step` and, on several ranks, the step counts run (`warmup_steps`, `timed_steps`):
+    do_bench's median on one CUDA device; on several ranks the median over steps of the slowest rank's time; the
+    median of wall times elsewhere."""
     if dist.is_initialized():
-        time_steps(step, args.warmup_steps, 0, device)
-        per_rank = torch.tensor(time_steps(step, 0, args.steps, device), device=device)
+        warmup, steps = args.warmup_steps, args.steps
+        if args.time_budgets:  # one more step estimates the step, the slowest rank's estimate sets the counts
+            estimate = torch.tensor(time_steps(step, 0, 1, device), device=device)
+            dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
+            warmup, steps = budget_steps(estimate.item() * 1e3, args.warmup_ms, args.rep_ms)
+        time_steps(step, warmup, 0, device)
+        per_rank = torch.tensor(time_steps(step, 0, steps, device), device=device)
         dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
-        return statistics.median(per_rank.tolist()) * 1e3
-    return one_device_ms(step, device, args.warmup_steps, args.steps, warmup=args.warmup_ms, rep=args.rep_ms)
+        return statistics.median(per_rank.tolist()) * 1e3, {"warmup_steps": warmup, "timed_steps": steps}
+    ms = one_device_ms(step, device, args.warmup_steps, args.steps, warmup=args.warmup_ms, rep=args.rep_ms)
+    return ms, {}
+
+
+def budget_steps(estimate_ms: float, warmup_ms: float, rep_ms: float) -> tuple[int, int]:
+    """do_bench's warm-up and timed step counts for a step of `estimate_ms`: as many as fit in `warmup_ms` and in
+    `rep_ms`, at least one each (triton.testing.do_bench rounds the same way)."""
+    return max(1, int(warmup_ms / estimate_ms)), max(1, int(rep_ms / estimate_ms))
 
 
 def one_device_ms(fn, device: torch.device, warmup_steps: int, steps: int, **do_bench_times) -> float:
@@ -110,7 +124,7 @@ def measure(
             train.train_step()
             records.append(train.model.last_communication)
 
-    step_ms = time_step(step, device, args)
+    step_ms, counts = time_step(step, device, args)
     sync(device)
     clock["elapsed_s"] = time.perf_counter() - started_run
     peaks["peak_mib"] = peak_mib(device)
@@ -122,7 +136,7 @@ def measure(
         alone["updated_fraction"] = float("nan") if fraction == "OOM" else fraction
         alone["optimizer_ms"] = optimizer_ms(train, device, args)
     if ours:
-        stats = [record.stats() for record in records[-args.steps :]]
+        stats = [record.stats() for record in records[-counts["timed_steps"] :]]
         waits = {
             f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3
             for key in ("gather_wait", "sync_wait")
@@ -133,6 +147,7 @@ def measure(
         largest = dict(zip(largest, map(max, zip(*by_rank, strict=True)), strict=True))
     return {
         "step_ms": step_ms,
+        **counts,
         **largest,
         **alone,
         "components": component_times(train, device) if args.components else {},

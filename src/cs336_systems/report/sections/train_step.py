@@ -48,7 +48,7 @@ def render(ctx: Context) -> str:
     try:
         frame, metas = ctx.require("train_step", "The leaderboard's training step")
     except NotRun as reason:  # the sharded step still has its say
-        return "\n\n".join(part for part in (str(reason), sharded_text(ctx)) if part)
+        return "\n\n".join(part for part in (str(reason), sharded_text(ctx), sharded_cold_text(ctx)) if part)
     p = metas[0]["params"]
     cells, fits = frame[frame["kind"] == "cell"], frame[frame["kind"] == "fit"].set_index("stack")
     stacks = list(dict.fromkeys(cells["stack"]))
@@ -98,7 +98,13 @@ def render(ctx: Context) -> str:
             "",
             goal_text(fits, on_gpu=gpu),
         ]
-    later = (cold_text(ctx, fits, commits(metas)), check_text(ctx), components_text(ctx), sharded_text(ctx))
+    later = (
+        cold_text(ctx, fits, commits(metas)),
+        check_text(ctx),
+        components_text(ctx),
+        sharded_text(ctx),
+        sharded_cold_text(ctx),
+    )
     out += [part for text in later if text for part in ("", text)]
     return "\n".join(part for part in out if part is not None)
 
@@ -146,45 +152,17 @@ def cold_text(ctx: Context, fits: pd.DataFrame, fit_commits: set[str] = frozense
         if on_cuda
         else f"{p['steps']} timed steps"
     )
-    rows, predicted, since = [], [], since_build(cells)
-    for _, c in cells.iterrows():
-        ok, stack, layers = c["status"] == "ok", c["stack"], int(c["num_layers"])
-        rows.append(
-            {
-                "stack": LABEL.get(stack, stack),
-                "layers": str(layers),
-                "build (s)": f"{c['build_s']:.1f}" if ok else "—",
-                "first step: compile + autotune (s)": f"{c['first_step_s']:.1f}" if ok else "—",
-                "step (ms)": f"{c['step_ms']:,.1f}" if ok else c["status"],
-                **peak_cells(c, since),
-                "MFU": mfu(c),
-                "whole run (s)": f"{c['elapsed_s']:.0f}" if ok else "—",
-                f"≤ {COLD_LIMIT_S} s": ("pass" if c["elapsed_s"] <= COLD_LIMIT_S else "FAIL") if ok else "—",
-            }
-        )
-        if ok and stack in fits.index:
+    predicted = []
+    for _, c in cells[cells["status"] == "ok"].iterrows():
+        stack, layers = c["stack"], int(c["num_layers"])
+        if stack in fits.index:
             fit = fits.loc[stack]
             guess = fit["intercept_ms"] + fit["per_layer_ms"] * layers
             predicted.append(
                 f"{LABEL.get(stack, stack)} {c['step_ms']:,.1f} ms measured against {guess:,.1f} ms "
                 f"predicted ({signed((c['step_ms'] / guess - 1) * 100)}%)"
             )
-    ran = cells[cells["status"] == "ok"]
-    late = ran[ran["elapsed_s"] > COLD_LIMIT_S]
-    runs = lambda chosen: "; ".join(
-        f"{LABEL.get(r['stack'], r['stack'])} took {r['elapsed_s']:.0f} s, "
-        f"{r['first_step_s']:.0f} s of them in the first step"
-        for _, r in chosen.iterrows()
-    )
-    if ran.empty:
-        verdict = "No stack's run fitted in the GPU's memory at this depth."
-    elif late.empty:
-        verdict = (
-            "Every run that fitted ended within the 10 minutes; the longest: "
-            f"{runs(ran.loc[[ran['elapsed_s'].idxmax()]])}."
-        )
-    else:
-        verdict = f"Over the 10 minutes: {runs(late)}."
+    verdict = cold_verdict(cells)
     if predicted:
         verdict += (
             " The per-layer fit above, against this measurement at a depth it did not see: "
@@ -202,16 +180,101 @@ def cold_text(ctx: Context, fits: pd.DataFrame, fit_commits: set[str] = frozense
             provenance_line(metas),
             "",
             "**The spec's run and its 10-minute rule.** One process per stack from empty PyTorch and Triton caches "
-            "(Inductor's and Triton's on-disk caches in a new folder: everything compiles and autotunes afresh), "
-            f"{p['batch_size']} sequence(s) of {p['context_length']:,} tokens at the depth in the table, timed as the "
-            f"spec times the leaderboard: {timing}. Build: the model and optimizer; first step: the step "
-            "before the timing, where torch.compile compiles and our kernels autotune; whole run: from the process's "
-            "start, imports included, to the end of the timing. The rule: from an empty cache the whole run ends within "
-            "10 minutes.",
+            f"{COLD_CACHES}, {p['batch_size']} sequence(s) of {p['context_length']:,} tokens at the depth in the "
+            f"table, timed as the spec times the leaderboard: {timing}. {COLD_PARTS}",
             "",
-            text_md(pd.DataFrame(rows)),
+            text_md(pd.DataFrame(cold_rows(cells))),
             "",
             verdict,
+        ]
+    )
+
+
+COLD_CACHES = (
+    "(Inductor's and Triton's on-disk caches in a new folder: everything compiles and autotunes afresh)"
+)
+COLD_PARTS = (
+    "Build: the model and optimizer; first step: the step before the timing, where torch.compile compiles and our "
+    "kernels autotune; whole run: from the process's start, imports included, to the end of the timing. The rule: "
+    "from an empty cache the whole run ends within 10 minutes."
+)
+
+
+def cold_rows(cells: pd.DataFrame) -> list[dict]:
+    """Per cold-cache cell: its parts' wall times, step, peaks, MFU and the whole run against the 10 minutes."""
+    rows, since = [], since_build(cells)
+    for _, c in cells.iterrows():
+        ok = c["status"] == "ok"
+        rows.append(
+            {
+                "stack": LABEL.get(c["stack"], c["stack"]),
+                "layers": str(int(c["num_layers"])),
+                "build (s)": f"{c['build_s']:.1f}" if ok else "—",
+                "first step: compile + autotune (s)": f"{c['first_step_s']:.1f}" if ok else "—",
+                "step (ms)": f"{c['step_ms']:,.1f}" if ok else c["status"],
+                **peak_cells(c, since),
+                "MFU": mfu(c),
+                "whole run (s)": f"{c['elapsed_s']:.0f}" if ok else "—",
+                f"≤ {COLD_LIMIT_S} s": ("pass" if c["elapsed_s"] <= COLD_LIMIT_S else "FAIL") if ok else "—",
+            }
+        )
+    return rows
+
+
+def cold_verdict(cells: pd.DataFrame) -> str:
+    """Whether every cold run that completed a step ended within the 10 minutes; the longest, or the late ones."""
+    ran = cells[cells["status"] == "ok"]
+    late = ran[ran["elapsed_s"] > COLD_LIMIT_S]
+    runs = lambda chosen: "; ".join(
+        f"{LABEL.get(r['stack'], r['stack'])} took {r['elapsed_s']:.0f} s, "
+        f"{r['first_step_s']:.0f} s of them in the first step"
+        for _, r in chosen.iterrows()
+    )
+    if ran.empty:
+        return "No stack's run fitted in the GPU's memory at this depth."
+    if late.empty:
+        return (
+            "Every run that fitted ended within the 10 minutes; the longest: "
+            f"{runs(ran.loc[[ran['elapsed_s'].idxmax()]])}."
+        )
+    return f"Over the 10 minutes: {runs(late)}."
+
+
+SHARDED_COLD_WHAT = "The leaderboard's step from empty caches on several GPUs"
+
+
+def sharded_cold_text(ctx: Context) -> str:
+    """The 10-minute rule where the spec runs the leaderboard: per sharded stack, one launch from empty caches at
+    the leaderboard's depth, timed by do_bench's budgets as step counts every rank shares. Nothing when the run has
+    no such table; the reason where it was skipped."""
+    lead = "**The spec's run and its 10-minute rule, on several GPUs.**"
+    try:
+        frame, metas = ctx.require("train_step_sharded_cold", SHARDED_COLD_WHAT)
+    except NotRun as reason:
+        return "" if str(reason) == not_run(SHARDED_COLD_WHAT) else f"{lead}\n\n{reason}"
+    cells = frame[frame["kind"] == "cell"]
+    p = metas[0]["params"]
+    counts = cells.dropna(subset=["timed_steps"]) if "timed_steps" in cells else cells.iloc[:0]
+    steps = "; ".join(
+        f"{LABEL.get(c['stack'], c['stack'])}: {int(c['warmup_steps'])} warm-up and {int(c['timed_steps'])} timed"
+        for _, c in counts.iterrows()
+    )
+    return "\n".join(
+        [
+            provenance_line(metas),
+            "",
+            f"{lead} One launch per stack of {listed(cells['world_size'])} ranks (one GPU each) from empty PyTorch "
+            f"and Triton caches {COLD_CACHES} on every rank, {p['batch_size']} sequence(s) of "
+            f"{p['context_length']:,} tokens per rank, timed as the spec's test times the leaderboard: do_bench's "
+            f"{p['warmup_ms'] / 1e3:g} s of warm-up and {p['rep_ms'] / 1e3:g} s of repetition, as step counts from "
+            "the slowest rank's step that every rank runs (so that all run the same collectives)"
+            + (f" ({steps} steps)" if steps else "")
+            + f"; a step's time is the slowest rank's, the cell's the median. {COLD_PARTS} Times and peaks are the "
+            "largest rank's.",
+            "",
+            text_md(pd.DataFrame(cold_rows(cells))),
+            "",
+            cold_verdict(cells),
         ]
     )
 
