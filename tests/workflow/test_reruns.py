@@ -21,7 +21,7 @@ from .test_smoke_pipeline import copy_of_smoke_run, job_counts
 
 
 @pytest.fixture(scope="module")
-def workdir(smoke_run, tmp_path_factory):
+def workdir(tmp_path_factory):
     return copy_of_smoke_run(tmp_path_factory, "reruns")
 
 

@@ -115,7 +115,7 @@ PLACEHOLDERS = {"YOUR_ACCOUNT": "testaccount", "YOUR_CPU_PARTITION": "cpu", "YOU
 
 
 @pytest.fixture(scope="module")
-def cluster(smoke_run, tmp_path_factory):
+def cluster(tmp_path_factory):
     """(workdir, profile dir, environment) for running Snakemake against the stand-in SLURM."""
     root = tmp_path_factory.mktemp("slurm")
     bin_dir, state = root / "bin", root / "state"

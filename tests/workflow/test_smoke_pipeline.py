@@ -1,73 +1,30 @@
 """The CPU smoke run of the whole pipeline, end to end, in a throw-away copy of the repository.
 
 The smoke run happens once per test session (`completed_smoke_run`); test modules that change files work on
-their own copy of it (`copy_of_smoke_run`). A test that needs it asks for the session fixture `smoke_run`
-(tests/conftest.py), which also starts it in the background at the session's start (`start_smoke_run`), so that it
-runs beside the tests that come before the ones that need it."""
+their own copy of it (`copy_of_smoke_run`)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from cs336_systems.report import render
 
-from ..pipeline import SNAKEMAKE, announced_jobs, copy_pipeline, snakemake
+from ..pipeline import announced_jobs, copy_pipeline, snakemake
 
-_SMOKE: dict = {}
-SMOKE_TIMEOUT_S = 1500
-
-
-def start_smoke_run(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Start `snakemake report/writeup.md --config run=cpu` in a new repository copy, in the background (once)."""
-    if "process" in _SMOKE:
-        return
-    workdir = copy_pipeline(tmp_path_factory.mktemp("smoke"))
-    console = tmp_path_factory.mktemp("smoke_console")
-    stdout, stderr = open(console / "stdout", "w+"), open(console / "stderr", "w+")
-    command = [*SNAKEMAKE, "--cores", "2", "report/writeup.md", "--config", "run=cpu"]
-    # Its own session: stopped as a whole (Snakemake and its jobs) if the test session ends before it does.
-    process = subprocess.Popen(
-        command, cwd=workdir, stdout=stdout, stderr=stderr, text=True, start_new_session=True
-    )
-    _SMOKE.update(
-        process=process, workdir=workdir, out=(stdout, stderr), deadline=time.monotonic() + SMOKE_TIMEOUT_S
-    )
-
-
-def stop_smoke_run() -> None:
-    """End a smoke run still under way (the session ended first); nothing if none is."""
-    process = _SMOKE.get("process")
-    if process is not None and process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+_SMOKE: dict[str, Path | subprocess.CompletedProcess] = {}
 
 
 def completed_smoke_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The repository copy in which `snakemake report/writeup.md --config run=cpu` has completed (run once; waits
-    for the one started in the background)."""
-    start_smoke_run(tmp_path_factory)
+    """The repository copy in which `snakemake report/writeup.md --config run=cpu` has completed (run once)."""
     if "result" not in _SMOKE:
-        process = _SMOKE["process"]
-        try:
-            process.wait(timeout=max(_SMOKE["deadline"] - time.monotonic(), 0))
-        except subprocess.TimeoutExpired:
-            stop_smoke_run()
-            raise
-        stdout, stderr = _SMOKE["out"]
-        outputs = []
-        for out in (stdout, stderr):
-            out.seek(0)
-            outputs.append(out.read())
-            out.close()
-        _SMOKE["result"] = subprocess.CompletedProcess(process.args, process.returncode, *outputs)
+        workdir = copy_pipeline(tmp_path_factory.mktemp("smoke"))
+        _SMOKE["result"] = snakemake(workdir, "report/writeup.md", "--config", "run=cpu", timeout=1500)
+        _SMOKE["workdir"] = workdir
     result = _SMOKE["result"]
     assert result.returncode == 0, result.stderr[-5000:]
     return _SMOKE["workdir"]
@@ -144,8 +101,8 @@ def test_the_cpu_writeup_check_finds_each_problem():
 
 
 @pytest.fixture(scope="module")
-def smoke(smoke_run):
-    return smoke_run
+def smoke(tmp_path_factory):
+    return completed_smoke_run(tmp_path_factory)
 
 
 def test_writeup_has_every_section_and_its_figures(smoke):
