@@ -1,10 +1,12 @@
 """Our FSDP (cs336_systems.parallel.fsdp) on CPU/gloo through the real launcher: every case of tests/workers/fsdp_worker.py
-asserts on every rank against single-process training, under deterministic algorithms with warnings as errors.
+asserts on every rank against single-process training, under deterministic algorithms with warnings as errors; one
+launch per world size runs all the cases asked of it, and each test reads its own cases' results.
 The protocol cases run again with each rank's tensors on a GPU where one is present (still gloo)."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,52 +18,107 @@ from torch import nn
 WORKER = Path(__file__).parents[1].joinpath("workers", "fsdp_worker.py")
 
 
-def launch(nproc: int, *cases: str, device: str = "cpu") -> subprocess.CompletedProcess:
+def launch(nproc: int, *cases: str, device: str = "cpu", timeout: float = 300) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     env = {**os.environ, "FSDP_WORKER_DEVICE": device}
     return subprocess.run(
-        [*command, str(WORKER), *cases], capture_output=True, text=True, timeout=300, check=False, env=env
+        [*command, str(WORKER), *cases], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])  # 1: nothing is communicated (fsdp.py's own path)
-def test_fp32_training_equals_single_process_training(world_size: int):
-    result = launch(world_size, "equality", "frozen")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"OK on {world_size} ranks" in result.stdout
+# One launch per world size runs every case the tests below ask of it (the launcher and a Python and torch per rank
+# are paid once); the worker reports each case as every rank finishes it, and each test checks its own cases.
+CASES_AT = {
+    1: ["equality", "frozen"],  # 1: nothing is communicated (fsdp.py's own path)
+    2: [
+        *("equality", "frozen", "compute_dtype", "prefetch", "transformer", "tied", "anomaly"),
+        *("units", "bf16", "meta", "protocol", "protocol_low_precision", "exact_transformer"),
+    ],
+    3: [
+        *("equality", "frozen", "units", "bf16", "meta", "protocol", "protocol_low_precision"),
+        *("exact_transformer", "torch_nn_bf16", "exact_refusals"),
+    ],
+    4: ["equality", "frozen", "protocol", "protocol_low_precision", "exact_transformer"],
+}
 
 
-def test_compute_dtype_prefetch_rule_our_transformer_tied_weights_and_anomaly_mode():
-    result = launch(2, "compute_dtype", "prefetch", "transformer", "tied", "anomaly")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK on 2 ranks" in result.stdout
+@pytest.fixture(scope="module")
+def launched():
+    """world size -> the completed launch of CASES_AT[world size] (launched when a test first asks)."""
+    runs: dict[int, subprocess.CompletedProcess] = {}
+
+    def at(world_size: int) -> subprocess.CompletedProcess:
+        if world_size not in runs:
+            runs[world_size] = launch(world_size, *CASES_AT[world_size], timeout=540)
+        return runs[world_size]
+
+    return at
+
+
+def assert_cases_pass(result: subprocess.CompletedProcess, world_size: int, *cases: str) -> None:
+    """Each of `cases` passed on every rank of the launch at `world_size`, and the launch ended cleanly."""
+    output = result.stdout + result.stderr
+    passed = re.findall(rf"^FSDP case (\S+) OK on {world_size} ranks$", result.stdout, re.M)
+    launched_cases = CASES_AT[world_size]
+    assert all(case in launched_cases for case in cases), cases
+    failed = [case for case in cases if case not in passed]
+    if failed:
+        stopped_at = launched_cases[len(passed)] if len(passed) < len(launched_cases) else "its end"
+        pytest.fail(
+            f"{failed} did not pass on {world_size} ranks: the launch of {launched_cases} stopped at "
+            f"{stopped_at} (exit status {result.returncode}, cases passed before: {passed}):\n{output}"
+        )
+    if passed == launched_cases:  # else the failing case's own test shows the failure
+        assert result.returncode == 0, output
+        assert f"FSDP {' '.join(launched_cases)} OK on {world_size} ranks" in result.stdout, output
+
+
+def test_a_case_that_did_not_pass_fails_its_own_test_and_names_where_the_launch_stopped():
+    """The reading of a shared launch: a case passes only on its own line, and a failed launch fails the tests of
+    the cases it did not reach (naming the case it stopped at), while the cases before it still pass."""
+    cases = CASES_AT[4]
+    lines = [f"FSDP case {case} OK on 4 ranks" for case in cases[:2]]
+    stopped = subprocess.CompletedProcess([], 1, "\n".join(lines) + "\n", "AssertionError: deliberate")
+    assert_cases_pass(stopped, 4, *cases[:2])
+    with pytest.raises(pytest.fail.Exception, match=f"(?s)stopped at {cases[2]} .*deliberate"):
+        assert_cases_pass(stopped, 4, cases[3])
+    with pytest.raises(pytest.fail.Exception, match="did not pass on 3 ranks"):
+        assert_cases_pass(stopped, 3, "equality")  # the lines of another world size do not count
+    every = [f"FSDP case {case} OK on 4 ranks" for case in cases]
+    torn_down = subprocess.CompletedProcess([], 1, "\n".join(every) + "\n", "at exit: deliberate")
+    with pytest.raises(AssertionError, match="at exit: deliberate"):
+        assert_cases_pass(torn_down, 4, cases[0])  # every case passed, the launch did not end cleanly
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_fp32_training_equals_single_process_training(launched, world_size: int):
+    assert_cases_pass(launched(world_size), world_size, "equality", "frozen")
+
+
+def test_compute_dtype_prefetch_rule_our_transformer_tied_weights_and_anomaly_mode(launched):
+    cases = ("compute_dtype", "prefetch", "transformer", "tied", "anomaly")
+    assert_cases_pass(launched(2), 2, *cases)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_block_units_and_bf16_weights(world_size: int):
-    result = launch(world_size, "units", "bf16")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"OK on {world_size} ranks" in result.stdout
+def test_block_units_and_bf16_weights(launched, world_size: int):
+    assert_cases_pass(launched(world_size), world_size, "units", "bf16")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_model_built_on_the_meta_device_starts_from_the_plain_models_weights(world_size: int):
-    result = launch(world_size, "meta")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"OK on {world_size} ranks" in result.stdout
+def test_a_model_built_on_the_meta_device_starts_from_the_plain_models_weights(launched, world_size: int):
+    assert_cases_pass(launched(world_size), world_size, "meta")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_the_assignments_protocol_bitwise_in_fp32_and_close_in_fp16_and_bf16(world_size: int):
-    result = launch(world_size, "protocol", "protocol_low_precision", "exact_transformer")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"OK on {world_size} ranks" in result.stdout
+def test_the_assignments_protocol_bitwise_in_fp32_and_close_in_fp16_and_bf16(launched, world_size: int):
+    assert_cases_pass(
+        launched(world_size), world_size, "protocol", "protocol_low_precision", "exact_transformer"
+    )
 
 
-def test_torch_nn_model_under_bf16_compute_and_what_exact_mode_refuses():
-    result = launch(3, "torch_nn_bf16", "exact_refusals")
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "OK on 3 ranks" in result.stdout
+def test_torch_nn_model_under_bf16_compute_and_what_exact_mode_refuses(launched):
+    assert_cases_pass(launched(3), 3, "torch_nn_bf16", "exact_refusals")
 
 
 @pytest.mark.gpu
