@@ -195,7 +195,12 @@ def test_interrupted_run_leaves_no_half_written_result_and_resumes(workdir, stop
         finally:
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGKILL)
-    assert last_cell not in log.read_text(), "the job finished before it was interrupted"
+    assert last_cell not in log.read_text(), (
+        "the job finished before it was interrupted; the job's log ends:\n"
+        + log.read_text()[-2000:]
+        + "\nSnakemake's output ends:\n"
+        + (workdir / "interrupted.log").read_text()[-2000:]
+    )
     # After Ctrl-C Snakemake removed the job's output; a killed job wrote none either, not even a temporary
     # file (write_rows renames complete files into place), and the result from before the change was removed
     # when the job started.

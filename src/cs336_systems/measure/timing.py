@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import signal
 import statistics
+import threading
 import timeit
 from collections.abc import Callable
 from typing import TypeVar
@@ -18,17 +20,43 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+# Ctrl-C raises KeyboardInterrupt wherever the main thread is; where that is a finalizer the garbage collector runs
+# (free_memory, between cells) or C code that clears Python errors, the interrupt is lost and a sweep runs on to its
+# end (seen once in the interrupted-run test). The handler below also remembers the request, and every step and
+# cell checks it.
+_interrupted = threading.Event()
+
+
+def _remember_and_interrupt(signum, frame) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def stop_if_interrupted() -> None:
+    """Raise KeyboardInterrupt if SIGINT arrived, even where its own KeyboardInterrupt was lost. The first call in
+    the main thread of a process with Python's default SIGINT handler installs the handler that remembers it."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt("SIGINT arrived earlier")
+    if (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        and threading.current_thread() is threading.main_thread()
+    ):
+        signal.signal(signal.SIGINT, _remember_and_interrupt)
+
+
 def time_phases(
     phases: dict[str, Callable[[], object]], warmup: int, steps: int, device: torch.device | str
 ) -> list[dict[str, float]]:
     """Run a step made of `phases` (in order) `warmup` times untimed, then `steps` times, synchronising after
     each phase; return per timed step the seconds of each phase."""
     for _ in range(warmup):
+        stop_if_interrupted()
         for phase in phases.values():
             phase()
         sync(device)
     times = []
     for _ in range(steps):
+        stop_if_interrupted()
         step = {}
         for name, phase in phases.items():
             start = timeit.default_timer()
@@ -64,6 +92,7 @@ def is_oom(exc: BaseException) -> bool:
 def or_oom(measure: Callable[[], T]) -> T | str:
     """`measure()`, or the string "OOM" when it runs out of memory (any other error propagates); frees memory
     afterwards either way, so the next cell of a sweep starts clean."""
+    stop_if_interrupted()
     try:
         return measure()
     except Exception as exc:
@@ -106,6 +135,7 @@ def rows_or_oom(
     so the next cell starts clean."""
     import sys
 
+    stop_if_interrupted()
     print(f"[{tag}] {cell} ...", file=sys.stderr, flush=True)
     try:
         return measure()
