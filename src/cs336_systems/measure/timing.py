@@ -22,8 +22,8 @@ def sync(device: torch.device | str) -> None:
 
 # Ctrl-C raises KeyboardInterrupt wherever the main thread is; where that is a finalizer the garbage collector runs
 # (free_memory, between cells) or C code that clears Python errors, the interrupt is lost and a sweep runs on to its
-# end (seen once in the interrupted-run test). The handler below also remembers the request, and every step and
-# cell checks it.
+# end (the likely cause of a job that ran to its end after Ctrl-C, once, in the interrupted-run test). The handler
+# below also remembers the request, and every step and cell checks it.
 _interrupted = threading.Event()
 
 
