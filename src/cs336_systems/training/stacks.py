@@ -32,7 +32,7 @@ MFU counts model FLOPs only (recomputation is not counted): per sequence of T to
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -163,6 +163,13 @@ STACKS = {
     ),
 }
 SHARDINGS = ("none", "ours", "fsdp2")
+
+
+def unsharded(name: str) -> str | None:
+    """The one-GPU stack a sharded stack shards: the one of sharding "none" with every other setting equal (not the
+    label); None where there is none."""
+    pieces = replace(STACKS[name], label="", sharding="none")
+    return next((n for n, s in STACKS.items() if replace(s, label="") == pieces), None)
 
 
 class _CheckpointedBlock(nn.Module):

@@ -11,7 +11,7 @@ import pandas as pd
 
 from cs336_systems.report.context import Context, NotRun, on_gpu
 from cs336_systems.report.formatting import commit_text, not_measured, not_run, provenance_line, text_md
-from cs336_systems.training.stacks import STACKS
+from cs336_systems.training.stacks import STACKS, unsharded
 
 LABEL = {name: stack.label for name, stack in STACKS.items()}  # the one stack registry
 HEAD = {
@@ -33,14 +33,8 @@ GOAL_STEP_S = 4.2
 LEADERBOARD_LAYERS, LEADERBOARD_GPUS = 34, 2
 GOAL_FASTER = 0.08
 GOAL_PEAK_GIB = 135
-# Each sharded stack and the one-GPU stack it shards. Its sharding overhead: its step on several GPUs less that
-# stack's one-GPU step extrapolated to the same depth; ours' may be at most the native stack's (a two-GPU goal).
-UNSHARDED = {
-    "plain_fsdp": "plain",
-    "native_fsdp": "native",
-    "ours_fsdp": "ours",
-    "ours_fsdp_sdpa": "ours_sdpa",
-}
+# Ours' sharding overhead (its step on several GPUs less its one-GPU stack's step extrapolated to the same depth)
+# may be at most the native stack's: a two-GPU goal too.
 SHARDED_WHAT = "The leaderboard's training step on several GPUs"
 
 
@@ -869,6 +863,12 @@ def wait(cell: pd.Series, column: str) -> str:
     return f"{cell[column]:,.1f}" if cell["status"] == "ok" and pd.notna(cell.get(column)) else "—"
 
 
+def at_leaderboard(cells: pd.DataFrame) -> pd.DataFrame:
+    """The sharded cells at the leaderboard's depth on its GPUs, the last per stack, indexed by stack."""
+    at = cells[(cells["num_layers"] == LEADERBOARD_LAYERS) & (cells["world_size"] == LEADERBOARD_GPUS)]
+    return at.drop_duplicates("stack", keep="last").set_index("stack")
+
+
 def sharding_overheads(ctx: Context, cells: pd.DataFrame, metas: list[dict]) -> pd.DataFrame:
     """Per stack that completed a step at the leaderboard's depth on its GPUs and whose one-GPU stack has a fit to
     that depth in the one-GPU table: both steps, the overhead (their difference) and both commits."""
@@ -879,14 +879,14 @@ def sharding_overheads(ctx: Context, cells: pd.DataFrame, metas: list[dict]) -> 
     frame, fit_metas = found
     fits = frame[frame["kind"] == "fit"].set_index("stack")
     fit_commit = {s: commit_text(m["provenance"]) for m in fit_metas for s in m["params"].get("stacks", [])}
-    at = cells[(cells["num_layers"] == LEADERBOARD_LAYERS) & (cells["world_size"] == LEADERBOARD_GPUS)]
+    at = at_leaderboard(cells)
     rows = []
-    for _, cell in at[at["status"] == "ok"].drop_duplicates("stack", keep="last").iterrows():
-        one = UNSHARDED.get(cell["stack"])
+    for stack, cell in at[at["status"] == "ok"].iterrows():
+        one = unsharded(stack)
         if one not in fits.index or fits.loc[one, "num_layers"] != cell["num_layers"]:
             continue
         sharded_s, one_gpu_s = cell["step_ms"] / 1e3, fits.loc[one, "step_ms"] / 1e3
-        rows.append([cell["stack"], sharded_s, one_gpu_s, sharded_s - one_gpu_s,
+        rows.append([stack, sharded_s, one_gpu_s, sharded_s - one_gpu_s,
                      ", ".join(sorted(commits(metas))), fit_commit.get(one, "unknown")])  # fmt: skip
     return pd.DataFrame(rows, columns=columns)
 
@@ -924,8 +924,7 @@ def sharded_goal_text(cells: pd.DataFrame, overheads: pd.DataFrame | None = None
     """The two-GPU goals, from the cells measured at the leaderboard's depth on its two GPUs (extrapolations do
     not count); the sharding-overhead goal where both ours' and the native stack's overheads are known."""
     where = f"{LEADERBOARD_LAYERS} layers on {LEADERBOARD_GPUS} GPUs"
-    at = cells[(cells["num_layers"] == LEADERBOARD_LAYERS) & (cells["world_size"] == LEADERBOARD_GPUS)]
-    at = at.drop_duplicates("stack", keep="last").set_index("stack")
+    at = at_leaderboard(cells)
     if at.empty:
         return (
             f"The two-GPU goals are judged only at {where}; this run had {listed(cells['num_layers'])} layers "
