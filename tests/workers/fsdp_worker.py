@@ -288,6 +288,15 @@ def prefetch_rule() -> None:
         "head.weight",
     ]
     check_prefetch_rule(fsdp, forward, backward)
+    # the counted waits: one per gathered weight in each pass, each under the pass that waited
+    fsdp.measure_communication = True
+    loss_fn(fsdp(my_ids), my_targets).backward()
+    fsdp.finish_gradient_synchronization()
+    record = fsdp.last_communication
+    assert [phase for phase, _ in record.gather_waits] == ["forward"] * 4 + ["backward"] * 4, record.gather_waits
+    stats = record.stats()
+    split = stats["gather_wait_forward_s"] + stats["gather_wait_backward_s"]
+    assert stats["gather_wait_s"] == split and min(stats.values()) >= 0, stats
 
 
 def block_units(exact: bool = False) -> None:

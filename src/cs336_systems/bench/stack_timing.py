@@ -1,8 +1,8 @@
 """What the 2026 leaderboard's training-step benchmark measures (experiments/train_step_benchmark.py): each
 (stack, depth) cell timed (do_bench on one GPU; under the launcher a step count every rank shares: fixed, or
-do_bench's time budgets turned into counts), its peak
-memory (PEAKS: the build's, the first step's and the steps' after it, each from its own reset) and clock, what one device keeps between steps, and the per-layer least-squares fit extrapolated to the
-leaderboard's depth (labelled as an extrapolation). The arguments are the CLI's (`args`)."""
+do_bench's time budgets turned into counts), its peak memory (PEAKS: the build's, the first step's and the
+steps' after it, each from its own reset) and clock, what a device keeps between steps (on several ranks its
+shards), and the per-layer least-squares fit extrapolated to the leaderboard's depth (labelled as an extrapolation). The arguments are the CLI's (`args`)."""
 
 from __future__ import annotations
 
@@ -86,9 +86,10 @@ def measure(
     stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, started_run: float
 ) -> dict:
     """One (stack, depth) cell: build, first step, the timed steps, their peaks (PEAKS: the peak statistics reset
-    before the build, before the first step and after it, so the step's peak is not the build's), and on one
-    device what the model keeps between steps, the share of weights one more step changes and optimizer.step()
-    alone; on several ranks the largest rank's peaks, clock and (our FSDP) waits. `started_run`: the CLI's start
+    before the build, before the first step and after it, so the step's peak is not the build's), what the model
+    keeps between steps, and on one device the share of weights one more step changes and optimizer.step()
+    alone; on several ranks the largest rank's peaks, kept state, clock and (our FSDP) waits, those of the
+    forward and the backward apart. `started_run`: the CLI's start
     (time.perf_counter())."""
     dims = {
         name: getattr(args, name) for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length")
@@ -130,8 +131,8 @@ def measure(
     peaks["peak_mib"] = peak_mib(device)
     waits = {}
     alone = {}
+    kept = state_mib(train)  # on several ranks each rank's own (its shards), the largest rank's recorded
     if not dist.is_initialized():  # a step that fit may still find no room for the copy: then no fraction
-        alone |= state_mib(train)
         fraction = or_oom(lambda: updated_fraction(train))
         alone["updated_fraction"] = float("nan") if fraction == "OOM" else fraction
         alone["optimizer_ms"] = optimizer_ms(train, device, args)
@@ -139,9 +140,9 @@ def measure(
         stats = [record.stats() for record in records[-counts["timed_steps"] :]]
         waits = {
             f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3
-            for key in ("gather_wait", "sync_wait")
+            for key in ("gather_wait", "gather_wait_forward", "gather_wait_backward", "sync_wait")
         }
-    largest = {**peaks, **clock, **waits}
+    largest = {**peaks, **kept, **clock, **waits}
     if dist.is_initialized():  # the largest rank's
         by_rank = gather_to_all(list(largest.values()))
         largest = dict(zip(largest, map(max, zip(*by_rank, strict=True)), strict=True))
@@ -156,8 +157,10 @@ def measure(
 
 def state_mib(train: TrainingStep) -> dict[str, float]:
     """MiB of what the model keeps from step to step: its weights, their gradients (still there after a step) and
-    the optimizer's state; the rest of the peak is activations and temporaries."""
-    mib = lambda tensors: sum(t.numel() * t.element_size() for t in tensors) / MIB
+    the optimizer's state; the rest of the peak is activations and temporaries. Sharded, this rank's: its shards
+    (a DTensor of FSDP2 counts its local part)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    mib = lambda tensors: sum(local(t).numel() * t.element_size() for t in tensors) / MIB
     params = list(train.model.parameters())
     return {
         "weights_mib": mib(params),

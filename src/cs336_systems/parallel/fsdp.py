@@ -110,17 +110,23 @@ def is_sharded_layer(module: nn.Module) -> bool:
 @dataclass
 class StepCommunication:
     """What one step of `measure_communication` waited for: a CommunicationTimer per all-gather wait (the compute
-    stream idle until the gathered weight was there) and one for finish_gradient_synchronization (until the last
-    reduction had finished), and the bytes this rank received or sent. `stats()` reads the timers: call it once the
-    step is over, so that reading does not stall the step it measures."""
+    stream idle until the gathered weight was there), each with the pass that waited ("forward" or "backward",
+    recomputations included), and one for finish_gradient_synchronization (until the last reduction had finished),
+    and the bytes this rank received or sent. `stats()` reads the timers: call it once the step is over, so that
+    reading does not stall the step it measures."""
 
-    gather_waits: list[CommunicationTimer]
+    gather_waits: list[tuple[str, CommunicationTimer]]
     sync_wait: CommunicationTimer
     bytes_moved: dict[str, float]
 
     def stats(self) -> dict[str, float]:
+        by_pass = {
+            f"gather_wait_{name}_s": sum(timer.seconds for phase, timer in self.gather_waits if phase == name)
+            for name in ("forward", "backward")
+        }
         return {
-            "gather_wait_s": sum(timer.seconds for timer in self.gather_waits),
+            "gather_wait_s": sum(by_pass.values()),
+            **by_pass,
             "sync_wait_s": self.sync_wait.seconds,
             **self.bytes_moved,
         }
@@ -342,7 +348,7 @@ class FullyShardedDataParallel(nn.Module):
         self._anchor = torch.zeros((), requires_grad=True)
         self.device = self.weights[0].full.device if self.weights else torch.device("cpu")
         self.measure_communication = False
-        self._gather_waits: list[CommunicationTimer] = []
+        self._gather_waits: list[tuple[str, CommunicationTimer]] = []
         self.last_communication: StepCommunication | None = None
         self._bytes = dict.fromkeys(BYTES_KEYS, 0.0)
         # ("gather" | "forward_done" | "backward_done", unit) when record_events (tests check the prefetch rule)
@@ -435,7 +441,7 @@ class FullyShardedDataParallel(nn.Module):
                 timer = CommunicationTimer(self.device) if self.measure_communication else None
                 weight.gather_work.wait()
                 if timer is not None:
-                    self._gather_waits.append(timer.stop())
+                    self._gather_waits.append(("backward" if self._in_backward else "forward", timer.stop()))
                 weight.gather_work = None
 
     def _before_forward(self, unit: int, module: nn.Module, args: tuple) -> tuple:

@@ -447,9 +447,12 @@ def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
 STATE = {"weights_mib": "weights", "gradients_mib": "gradients", "optimizer_state_mib": "AdamW state"}
 
 
-def memory_text(cells: pd.DataFrame, stacks: list[str]) -> str | None:
+def memory_text(
+    cells: pd.DataFrame, stacks: list[str], pair: tuple[str, str] = ("ours", "native"), per: str = ""
+) -> str | None:
     """Peak memory at the deepest depth by what holds it: weights, gradients and AdamW state (measured from the
-    tensors), and the rest of the peak, activations and temporaries."""
+    tensors), and the rest of the peak, activations and temporaries; ours against the native stack (`pair`).
+    `per`: " per GPU" for sharded cells (the largest rank's shards and peak)."""
     if not set(STATE) <= set(cells) or cells["weights_mib"].isna().all():
         return None
     deepest = int(cells.dropna(subset=["weights_mib"])["num_layers"].max())
@@ -487,16 +490,19 @@ def memory_text(cells: pd.DataFrame, stacks: list[str]) -> str | None:
         }
     )
     text = (
-        f"**Peak memory at {deepest} layers by what holds it.** Weights, gradients (still held after a step) and "
-        f"the optimizer's state, summed over their tensors after the timing; {others} = {peak} − those"
+        f"**Peak memory{per} at {deepest} layers by what holds it.** Weights, gradients (still held after a step) "
+        f"and the optimizer's state, summed over their tensors after the timing"
+        + (" (a rank's shards; the largest rank's)" if per else "")
+        + f"; {others} = {peak} − those"
         + (": activations and temporaries, or the build's transient where that was higher" if since else "")
         + f".\n\n{text_md(table)}"
     )
-    if {"ours", "native"} <= set(rest):
+    ours, native = pair
+    if {ours, native} <= set(rest):
         text += (
             f"\n\nOurs against the PyTorch-native stack at {deepest} layers: {others} "
-            f"{signed(rest['ours'] - rest['native'])} GiB, weights, gradients and AdamW state "
-            f"{signed(state('ours') - state('native'))} GiB."
+            f"{signed(rest[ours] - rest[native])} GiB, weights, gradients and AdamW state "
+            f"{signed(state(ours) - state(native))} GiB{per}."
         )
     return text
 
@@ -723,6 +729,9 @@ def sharded_text(ctx: Context) -> str:
         "",
         text_md(sharded_table(cells, stacks, "GPUs" if gpus else "ranks")),
     ]
+    held = memory_text(cells, stacks, ("ours_fsdp", "native_fsdp"), " per GPU")
+    if held:
+        out += ["", held]
     skipped = frame[frame["status"] == "skipped"]
     if len(skipped):
         out += ["", not_measured("; ".join(dict.fromkeys(map(str, skipped["reason"].dropna()))) or "not run")]
@@ -791,6 +800,14 @@ def sharded_table(cells: pd.DataFrame, stacks: list[str], ranks: str) -> pd.Data
                     "MFU": mfu(c),
                     **peak_cells(c, since, " per GPU"),
                     "exposed all-gather (ms)": wait(c, "gather_wait_ms"),
+                    **(
+                        {
+                            f"of it in the {phase} (ms)": wait(c, f"gather_wait_{phase}_ms")
+                            for phase in ("forward", "backward")
+                        }
+                        if "gather_wait_forward_ms" in cells
+                        else {}
+                    ),
                     "synchronisation wait (ms)": wait(c, "sync_wait_ms"),
                 }
             )
