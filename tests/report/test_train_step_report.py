@@ -1,6 +1,7 @@
 """The leaderboard's sharded step in the §9 section, on made-up runs whose answers are known: the two-GPU goals
 judged at 34 layers on 2 GPUs only, ours against the native stack, a run without the one-GPU table."""
 
+import json
 import re
 from pathlib import Path
 
@@ -536,6 +537,17 @@ def test_sharding_overhead_against_the_one_gpu_extrapolation(tmp_path, monkeypat
     text = sharded(tmp_path, rows)
     assert goal(text, "sharding overhead at most the native stack's")[1:] == ["+0.07 s", "≤ +0.13 s", "pass"]
     assert "whatever changed between them" not in text  # both at one commit
+
+
+def test_no_overhead_against_one_gpu_fits_from_another_gpu(tmp_path, monkeypatch):
+    one_gpu_fits(tmp_path, {"native": 4.58, "ours": 4.81}, monkeypatch, commit="a" * 40)
+    for stack in ("native", "ours"):  # as if measured on an H100, the sharded step on H200s
+        path = tmp_path / f"results/train_step/{stack}.json"
+        meta = json.loads(path.read_text())
+        meta["provenance"]["device_name"] = "NVIDIA H100 80GB HBM3"
+        path.write_text(json.dumps(meta))
+    text = sharded(tmp_path, [cell("native_fsdp", 4710.0, 120 * 1024), cell("ours_fsdp", 5020.0, 120 * 1024)])
+    assert "What sharding costs" not in text and "sharding overhead at most" not in text
 
 
 def test_no_overhead_goal_without_the_one_gpu_fits(tmp_path, monkeypatch):

@@ -888,7 +888,8 @@ def at_leaderboard(cells: pd.DataFrame) -> pd.DataFrame:
 
 def sharding_overheads(ctx: Context, cells: pd.DataFrame, metas: list[dict]) -> pd.DataFrame:
     """Per stack that completed a step at the leaderboard's depth on its GPUs and whose one-GPU stack has a fit to
-    that depth in the one-GPU table: both steps, the overhead (their difference) and both commits."""
+    that depth in the one-GPU table, measured on the same kind of GPU: both steps, the overhead (their difference)
+    and both commits."""
     columns = ["stack", "sharded_s", "one_gpu_s", "overhead_s", "sharded_commit", "one_gpu_commit"]
     found = ctx.table("train_step")
     if found is None:
@@ -896,11 +897,15 @@ def sharding_overheads(ctx: Context, cells: pd.DataFrame, metas: list[dict]) -> 
     frame, fit_metas = found
     fits = frame[frame["kind"] == "fit"].set_index("stack")
     fit_commit = {s: commit_text(m["provenance"]) for m in fit_metas for s in m["params"].get("stacks", [])}
+    fit_gpu = {s: m["provenance"].get("device_name") for m in fit_metas for s in m["params"].get("stacks", [])}
+    sharded_gpus = {m["provenance"].get("device_name") for m in metas}
     at = at_leaderboard(cells)
     rows = []
     for stack, cell in at[at["status"] == "ok"].iterrows():
         one = unsharded(stack)
         if one not in fits.index or fits.loc[one, "num_layers"] != cell["num_layers"]:
+            continue
+        if {fit_gpu.get(one)} != sharded_gpus:  # an H100's one-GPU step says nothing of an H200's sharding
             continue
         sharded_s, one_gpu_s = cell["step_ms"] / 1e3, fits.loc[one, "step_ms"] / 1e3
         rows.append([stack, sharded_s, one_gpu_s, sharded_s - one_gpu_s,
