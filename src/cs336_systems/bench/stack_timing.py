@@ -82,14 +82,25 @@ def one_device_ms(fn, device: torch.device, warmup_steps: int, steps: int, **do_
     return statistics.median(time_steps(fn, warmup_steps, steps, device)) * 1e3
 
 
+# The allocator's events that stall a step (CUDA): a failed cudaMalloc retried after freeing the cache (it
+# synchronises the device), and memory handed back to the device (with expandable segments, unmapping it).
+ALLOCATOR_EVENTS = {"alloc_retries": "num_alloc_retries", "device_frees": "num_device_free"}
+
+
+def allocator_events(device: torch.device) -> dict[str, float]:
+    """The allocator's counters (ALLOCATOR_EVENTS) so far; NaN off CUDA."""
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+    return {name: float(stats.get(key, float("nan"))) for name, key in ALLOCATOR_EVENTS.items()}
+
+
 def measure(
     stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, started_run: float
 ) -> dict:
     """One (stack, depth) cell: build, first step, the timed steps, their peaks (PEAKS: the peak statistics reset
     before the build, before the first step and after it, so the step's peak is not the build's), what the model
-    keeps between steps, and on one device the share of weights one more step changes and optimizer.step()
-    alone; on several ranks the largest rank's peaks, kept state, clock and (our FSDP) waits, those of the
-    forward and the backward apart. `started_run`: the CLI's start
+    keeps between steps, the allocator's stalls over the steps after the first (ALLOCATOR_EVENTS), and on one
+    device the share of weights one more step changes and optimizer.step() alone; on several ranks the largest
+    rank's peaks, kept state, stalls, clock and (our FSDP) waits, those of the forward and the backward apart. `started_run`: the CLI's start
     (time.perf_counter())."""
     dims = {
         name: getattr(args, name) for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length")
@@ -115,6 +126,7 @@ def measure(
     clock = {"build_s": built - started, "first_step_s": time.perf_counter() - built}
     peaks["first_step_peak_mib"] = peak_mib(device)
     reset_peak(device)  # from here the steps' own peak
+    events_before = allocator_events(device)
     ours = isinstance(train.model, FullyShardedDataParallel)
     records = []
     step = train.train_step
@@ -129,6 +141,8 @@ def measure(
     sync(device)
     clock["elapsed_s"] = time.perf_counter() - started_run
     peaks["peak_mib"] = peak_mib(device)
+    # over the steps after the first, the allocator's stalls (a retry hints that the step runs at the memory's edge)
+    events = {name: count - events_before[name] for name, count in allocator_events(device).items()}
     waits = {}
     alone = {}
     kept = state_mib(train)  # on several ranks each rank's own (its shards), the largest rank's recorded
@@ -142,7 +156,7 @@ def measure(
             f"{key}_ms": statistics.median(s[f"{key}_s"] for s in stats) * 1e3
             for key in ("gather_wait", "gather_wait_forward", "gather_wait_backward", "sync_wait")
         }
-    largest = {**peaks, **kept, **clock, **waits}
+    largest = {**peaks, **kept, **events, **clock, **waits}
     if dist.is_initialized():  # the largest rank's
         by_rank = gather_to_all(list(largest.values()))
         largest = dict(zip(largest, map(max, zip(*by_rank, strict=True)), strict=True))

@@ -716,6 +716,12 @@ def sharded_text(ctx: Context) -> str:
         "counts, in the timed steps, the compute stream's wait for all-gathers (exposed all-gather) and at the final "
         "gradient synchronisation (median over the steps, the largest rank's); FSDP2 has no such count. "
         + (
+            "Allocator retries: cudaMalloc calls that failed and were retried after the cache was freed (each "
+            "synchronises the device), over the steps after the first, the largest rank's. "
+            if "alloc_retries" in cells
+            else ""
+        )
+        + (
             f"LM-head chunks of {p['head_chunk']:,} tokens{'; ' if gpus else '. '}"
             if p.get("head_chunk")
             else ""
@@ -809,6 +815,7 @@ def sharded_table(cells: pd.DataFrame, stacks: list[str], ranks: str) -> pd.Data
                         else {}
                     ),
                     "synchronisation wait (ms)": wait(c, "sync_wait_ms"),
+                    **({"allocator retries": count(c, "alloc_retries")} if "alloc_retries" in cells else {}),
                 }
             )
     return pd.DataFrame(rows)
@@ -871,6 +878,10 @@ def seconds(ms: float) -> str:
     """Seconds to two decimals, as the fit and goal tables show them; three significant digits below a second
     (a small model's step would read 0.03)."""
     return f"{ms / 1e3:,.2f}" if ms >= 1e3 else f"{ms / 1e3:.3g}"
+
+
+def count(cell: pd.Series, column: str) -> str:
+    return f"{cell[column]:,.0f}" if cell["status"] == "ok" and pd.notna(cell.get(column)) else "—"
 
 
 def wait(cell: pd.Series, column: str) -> str:
