@@ -583,3 +583,17 @@ def test_the_ten_minute_rule_skipped_without_the_gpus(tmp_path):
     text = train_step.sharded_cold_text(ctx)
     assert text.startswith("**The spec's run and its 10-minute rule, on several GPUs.**")
     assert "Not measured in this run: needs 2 GPUs, found 0." in text
+
+
+def test_pieces_measured_at_different_commits_are_not_compared():
+    fits = pd.DataFrame(
+        {"per_layer_ms": [128.0, 122.0, 135.0], "intercept_ms": [200.0, 201.0, 330.0],
+         "step_ms": [4552.0, 4349.0, 4920.0], "num_layers": [34, 34, 34], "mfu": [0.52, 0.55, 0.49]},
+        index=pd.Index(["ours", "ours_sdpa", "ours_chunked_head"], name="stack"),
+    )  # fmt: skip
+    cells = pd.DataFrame({"stack": ["ours", "ours_sdpa", "ours_chunked_head"], "num_layers": [8] * 3,
+                          "peak_mib": [NAN] * 3, "status": ["ok"] * 3})  # fmt: skip
+    text = train_step.worth_sentences(fits, cells, {"ours": "new", "ours_sdpa": "new", "ours_chunked_head": "old"})
+    assert "Our FlashAttention, against SDPA's: +6.0 ms per layer" in text
+    assert "head + loss, against PyTorch's chunked one:" not in text
+    assert "Not compared, measured at different commits" in text and "(ours at new, the other at old)" in text

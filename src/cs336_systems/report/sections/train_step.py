@@ -88,7 +88,7 @@ def render(ctx: Context) -> str:
             "",
             text_md(fit_table(fits, stacks)),
             "",
-            worth_sentences(fits, cells),
+            worth_sentences(fits, cells, stack_commits(metas)),
             "",
             goal_text(fits, on_gpu=gpu),
         ]
@@ -525,11 +525,18 @@ def fit_table(fits: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
     )
 
 
-def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame) -> str:
+def stack_commits(metas: list[dict]) -> dict[str, str]:
+    """The commit each stack of a table (one job per stack) was measured at."""
+    return {s: commit_text(m["provenance"]) for m in metas for s in m["params"].get("stacks", [])}
+
+
+def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame, commit: dict[str, str] | None = None) -> str:
     """What each of our pieces is worth: ours against ours with that piece replaced by PyTorch's, per layer (the
     slope), per step outside the layers (the intercept: embedding, head and loss, optimizer) and in peak memory
-    at the largest depth measured; then the fastest stack."""
-    parts = []
+    at the largest depth measured; then the fastest stack. A pair measured at two commits (`commit`: by stack) is
+    not compared: its difference would hold every other change between them."""
+    commit = commit or {}
+    parts, apart = [], []
     if "ours" in fits.index:
         ours = fits.loc["ours"]
         deepest = int(cells["num_layers"].max())
@@ -543,6 +550,10 @@ def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame) -> str:
         ):
             if variant not in fits.index:
                 continue
+            if commit.get("ours") != commit.get(variant):
+                apart.append(f"{piece[0].lower()}{piece[1:]} (ours at {commit.get('ours')}, the other at "
+                             f"{commit.get(variant)})")  # fmt: skip
+                continue
             other = fits.loc[variant]
             text = (
                 f"{piece}: {signed(ours['per_layer_ms'] - other['per_layer_ms'])} ms per layer and "
@@ -555,6 +566,12 @@ def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame) -> str:
                     f"{signed(peak['ours'] - peak[variant], '.1f')} GiB"
                 )
             parts.append(text + ".")
+    if apart:
+        parts.append(
+            "Not compared, measured at different commits (the difference would hold every change between them): "
+            + "; ".join(apart)
+            + "."
+        )
     fastest = fits["step_ms"].idxmin()
     parts.append(
         f"Fastest extrapolated step: {LABEL.get(fastest, fastest)}, {fits.loc[fastest, 'step_ms'] / 1e3:.2f} s "
