@@ -593,7 +593,9 @@ def test_pieces_measured_at_different_commits_are_not_compared():
     )  # fmt: skip
     cells = pd.DataFrame({"stack": ["ours", "ours_sdpa", "ours_chunked_head"], "num_layers": [8] * 3,
                           "peak_mib": [NAN] * 3, "status": ["ok"] * 3})  # fmt: skip
-    text = train_step.worth_sentences(fits, cells, {"ours": "new", "ours_sdpa": "new", "ours_chunked_head": "old"})
+    text = train_step.worth_sentences(
+        fits, cells, {"ours": "new", "ours_sdpa": "new", "ours_chunked_head": "old"}
+    )
     assert "Our FlashAttention, against SDPA's: +6.0 ms per layer" in text
     assert "head + loss, against PyTorch's chunked one:" not in text
     assert "Not compared, measured at different commits" in text and "(ours at new, the other at old)" in text

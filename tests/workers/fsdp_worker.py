@@ -293,7 +293,9 @@ def prefetch_rule() -> None:
     loss_fn(fsdp(my_ids), my_targets).backward()
     fsdp.finish_gradient_synchronization()
     record = fsdp.last_communication
-    assert [phase for phase, _ in record.gather_waits] == ["forward"] * 4 + ["backward"] * 4, record.gather_waits
+    assert [phase for phase, _ in record.gather_waits] == ["forward"] * 4 + ["backward"] * 4, (
+        record.gather_waits
+    )
     stats = record.stats()
     split = stats["gather_wait_forward_s"] + stats["gather_wait_backward_s"]
     assert stats["gather_wait_s"] == split and min(stats.values()) >= 0, stats

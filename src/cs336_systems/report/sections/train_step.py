@@ -925,7 +925,9 @@ def sharding_overheads(ctx: Context, cells: pd.DataFrame, metas: list[dict]) -> 
     frame, fit_metas = found
     fits = frame[frame["kind"] == "fit"].set_index("stack")
     fit_commit = {s: commit_text(m["provenance"]) for m in fit_metas for s in m["params"].get("stacks", [])}
-    fit_gpu = {s: m["provenance"].get("device_name") for m in fit_metas for s in m["params"].get("stacks", [])}
+    fit_gpu = {
+        s: m["provenance"].get("device_name") for m in fit_metas for s in m["params"].get("stacks", [])
+    }
     sharded_gpus = {m["provenance"].get("device_name") for m in metas}
     at = at_leaderboard(cells)
     rows = []
