@@ -19,6 +19,10 @@ import yaml
 from ..pipeline import snakemake
 from .test_smoke_pipeline import copy_of_smoke_run, job_counts
 
+# Under pytest-xdist (the README's command) every test that starts from the smoke run goes to one worker, which
+# runs the smoke run once.
+pytestmark = pytest.mark.xdist_group("smoke_run")
+
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):

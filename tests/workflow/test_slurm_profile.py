@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import REPO
-from ..pipeline import SNAKEMAKE, announced_jobs
+from ..pipeline import SNAKEMAKE, announced_jobs, copy_pipeline
 from .test_smoke_pipeline import copy_of_smoke_run, job_counts
 
 FAKE_SLURM = r'''
@@ -115,8 +115,8 @@ PLACEHOLDERS = {"YOUR_ACCOUNT": "testaccount", "YOUR_CPU_PARTITION": "cpu", "YOU
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """(workdir, profile dir, environment) for running Snakemake against the stand-in SLURM."""
+def stand_in(tmp_path_factory):
+    """(profile dir, environment, state dir) for running Snakemake against the stand-in SLURM."""
     root = tmp_path_factory.mktemp("slurm")
     bin_dir, state = root / "bin", root / "state"
     (state / "jobs").mkdir(parents=True)
@@ -135,7 +135,19 @@ def cluster(tmp_path_factory):
     (profile / "config.yaml").write_text(text)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_SLURM_DIR=str(state))
     assert shutil.which("sbatch", path=env["PATH"]) == str(bin_dir / "sbatch")
-    return copy_of_smoke_run(tmp_path_factory, "slurm_run"), profile, env, state
+    return profile, env, state
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, stand_in):
+    """(workdir, profile dir, environment, state dir): the stand-in SLURM on a copy of the pipeline (no results)."""
+    return copy_pipeline(tmp_path_factory.mktemp("slurm_pipeline")), *stand_in
+
+
+@pytest.fixture(scope="module")
+def smoke_cluster(tmp_path_factory, stand_in):
+    """The same on a copy of the completed smoke run."""
+    return copy_of_smoke_run(tmp_path_factory, "slurm_run"), *stand_in
 
 
 def run_profile(cluster, *args: str, fail_jobs: bool = False) -> subprocess.CompletedProcess:
@@ -210,9 +222,14 @@ REDONE = {
 }
 
 
-def test_cpu_run_through_the_profile_submits_every_job_as_its_rule_declares(cluster):
+# Under pytest-xdist (the README's command) every test that starts from the smoke run goes to one worker, which
+# runs the smoke run once.
+@pytest.mark.xdist_group("smoke_run")
+def test_cpu_run_through_the_profile_submits_every_job_as_its_rule_declares(smoke_cluster):
     """Those results deleted and asked for again, with the writeup (which then reruns too)."""
+    cluster = smoke_cluster
     workdir, _, _, state = cluster
+    (state / "calls.jsonl").unlink(missing_ok=True)  # another test's submissions (a shared stand-in)
     for result in REDONE.values():
         (workdir / result).unlink()
     writeup = workdir / "report/cpu/writeup.md"
@@ -302,7 +319,6 @@ def test_fsdp_on_two_nodes_runs_one_launcher_per_node(cluster):
         "runs:\n  cpu:\n    fsdp:\n      jobs: [{world_size: 2, nodes: 2, variants: [ours, single]}]\n"
     )
     target = "results/cpu/fsdp/n2.csv"
-    (workdir / target).unlink()
     args = [target, "--config", "run=cpu", "--configfile", "two_nodes.yaml"]
     planned = plan(cluster, *args)
     assert set(planned) == {("fsdp_benchmark", "2")}

@@ -16,6 +16,10 @@ from cs336_systems.report import render
 
 from ..pipeline import announced_jobs, copy_pipeline, snakemake
 
+# Under pytest-xdist (the README's command) every test that starts from the smoke run goes to one worker, which
+# runs the smoke run once.
+pytestmark = pytest.mark.xdist_group("smoke_run")
+
 _SMOKE: dict[str, Path | subprocess.CompletedProcess] = {}
 
 
