@@ -2,7 +2,8 @@
 (stack, depth) cell timed (do_bench on one GPU; under the launcher a step count every rank shares: fixed, or
 do_bench's time budgets turned into counts), its peak memory (PEAKS: the build's, the first step's and the
 steps' after it, each from its own reset) and clock, what a device keeps between steps (on several ranks its
-shards), and the per-layer least-squares fit extrapolated to the leaderboard's depth (labelled as an extrapolation). The arguments are the CLI's (`args`)."""
+shards), and the per-layer least-squares fit extrapolated to the leaderboard's depth (labelled as an
+extrapolation). The arguments are the CLI's (`args`)."""
 
 from __future__ import annotations
 
@@ -100,8 +101,8 @@ def measure(
     before the build, before the first step and after it, so the step's peak is not the build's), what the model
     keeps between steps, the allocator's stalls over the steps after the first (ALLOCATOR_EVENTS), and on one
     device the share of weights one more step changes and optimizer.step() alone; on several ranks the largest
-    rank's peaks, kept state, stalls, clock and (our FSDP) waits, those of the forward and the backward apart. `started_run`: the CLI's start
-    (time.perf_counter())."""
+    rank's peaks, kept state, stalls, clock and (our FSDP) waits, those of the forward and the backward apart.
+    `started_run`: the CLI's start (time.perf_counter())."""
     dims = {
         name: getattr(args, name) for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length")
     }

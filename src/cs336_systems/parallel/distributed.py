@@ -98,7 +98,8 @@ def setup_distributed(backend: str | None = None, timeout_s: float = 300.0) -> D
         # device_id binds the group to this GPU so NCCL connects eagerly, inside the setup timeout. The group's
         # own streams (where asynchronous collectives run) get high priority, as FSDP2's streams have: at normal
         # priority our FSDP's backward all-gathers, queued behind long matmuls and attention kernels, came late
-        # (2x H200, 34 layers: 88-118 ms of the compute stream's waits per step, 3.5 ms in the forward).
+        # (2x H200, 34 layers: 88-118 ms of the compute stream's waits per step, 3.5 ms in the forward; 4-13 ms with
+        # high priority).
         options = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
         dist.init_process_group(
             "nccl", timeout=timedelta(seconds=timeout_s), device_id=device, pg_options=options
