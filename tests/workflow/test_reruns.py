@@ -17,11 +17,12 @@ import pytest
 import yaml
 
 from ..pipeline import snakemake
-from .test_smoke_pipeline import copy_of_smoke_run, job_counts
+from .test_smoke_pipeline import SMOKE_TIMEOUT_S, copy_of_smoke_run, job_counts
 
-# Under pytest-xdist (the README's command) every test that starts from the smoke run goes to one worker, which
-# runs the smoke run once.
-pytestmark = pytest.mark.xdist_group("smoke_run")
+# Under pytest-xdist every test that starts from the smoke run goes to one worker, which runs the smoke run once;
+# the first to ask for it builds it in its setup, which on a loaded machine may take longer than pytest-timeout's
+# default 600 s.
+pytestmark = [pytest.mark.xdist_group("smoke_run"), pytest.mark.timeout(SMOKE_TIMEOUT_S)]
 
 
 @pytest.fixture(scope="module")

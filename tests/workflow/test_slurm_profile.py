@@ -27,7 +27,7 @@ import pytest
 
 from ..conftest import REPO
 from ..pipeline import SNAKEMAKE, announced_jobs, copy_pipeline
-from .test_smoke_pipeline import copy_of_smoke_run, job_counts
+from .test_smoke_pipeline import SMOKE_TIMEOUT_S, copy_of_smoke_run, job_counts
 
 FAKE_SLURM = r'''
 import fcntl, json, os, subprocess, sys
@@ -222,9 +222,9 @@ REDONE = {
 }
 
 
-# Under pytest-xdist (the README's command) every test that starts from the smoke run goes to one worker, which
-# runs the smoke run once.
+# Under pytest-xdist every test that starts from the smoke run goes to one worker, which runs the smoke run once.
 @pytest.mark.xdist_group("smoke_run")
+@pytest.mark.timeout(SMOKE_TIMEOUT_S)
 def test_cpu_run_through_the_profile_submits_every_job_as_its_rule_declares(smoke_cluster):
     """Those results deleted and asked for again, with the writeup (which then reruns too)."""
     cluster = smoke_cluster
