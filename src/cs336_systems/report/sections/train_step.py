@@ -525,9 +525,14 @@ def fit_table(fits: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
     )
 
 
+def stack_provenance(metas: list[dict]) -> dict[str, dict]:
+    """The provenance of each stack of a table (one job per stack): where and at what commit it was measured."""
+    return {s: m["provenance"] for m in metas for s in m["params"].get("stacks", [])}
+
+
 def stack_commits(metas: list[dict]) -> dict[str, str]:
-    """The commit each stack of a table (one job per stack) was measured at."""
-    return {s: commit_text(m["provenance"]) for m in metas for s in m["params"].get("stacks", [])}
+    """The commit each stack of a table was measured at."""
+    return {s: commit_text(p) for s, p in stack_provenance(metas).items()}
 
 
 def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame, commit: dict[str, str] | None = None) -> str:
@@ -924,10 +929,8 @@ def sharding_overheads(ctx: Context, cells: pd.DataFrame, metas: list[dict]) -> 
         return pd.DataFrame(columns=columns)
     frame, fit_metas = found
     fits = frame[frame["kind"] == "fit"].set_index("stack")
-    fit_commit = {s: commit_text(m["provenance"]) for m in fit_metas for s in m["params"].get("stacks", [])}
-    fit_gpu = {
-        s: m["provenance"].get("device_name") for m in fit_metas for s in m["params"].get("stacks", [])
-    }
+    fit_commit = stack_commits(fit_metas)
+    fit_gpu = {s: p.get("device_name") for s, p in stack_provenance(fit_metas).items()}
     sharded_gpus = {m["provenance"].get("device_name") for m in metas}
     at = at_leaderboard(cells)
     rows = []
