@@ -102,7 +102,7 @@ def _desc(dtype: str, block_shape: list[int]) -> str:
 
 def _signature(kernel: str, dtype: str, d: int, bm: int, bn: int) -> dict:
     names = ("IS_CAUSAL", "BM", "BN", "D", "STAGES", "num_warps")
-    names += ("PINGPONG", "CONS_REGS") if kernel == "fwd" else ("DQ_VEC",)
+    names += ("PINGPONG", "CONS_REGS") if kernel == "fwd" else ("DQ_VEC", "DQ_LATE")
     constexprs = {name: "constexpr" for name in names}
     if kernel == "fwd":
         q, kv = _desc(dtype, [1, 64, d]), _desc(dtype, [1, bn, d])
@@ -131,7 +131,7 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, causal: bool,
     if kernel == "fwd":
         constexprs |= {"PINGPONG": cfg.pingpong, "CONS_REGS": cfg.cons_regs}
     else:
-        constexprs |= {"DQ_VEC": cfg.dq_vec}
+        constexprs |= {"DQ_VEC": cfg.dq_vec, "DQ_LATE": cfg.dq_late}
     src = GluonASTSource(fn, sig, constexprs=constexprs)
     log = io.StringIO()
     with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
@@ -148,7 +148,7 @@ def inspect(kernel: str, dtype: torch.dtype, head_dim: int, causal: bool, seq_le
     compiled, cfg, log = compile_kernel(kernel, dtype, head_dim, causal, seq_len)
     report = Report(
         kernel, _TORCH_TO_TRITON[dtype], head_dim, causal,
-        f"BM={cfg.bm} BN={cfg.bn} st={cfg.stages} w={cfg.num_warps}{' pp' if cfg.pingpong else ''}{f' dq{cfg.dq_vec}' if kernel == 'bwd' else ''}",
+        f"BM={cfg.bm} BN={cfg.bn} st={cfg.stages} w={cfg.num_warps}{' pp' if cfg.pingpong else ''}{f' dq{cfg.dq_vec}' + ' late' * cfg.dq_late if kernel == 'bwd' else ''}",
         shared_bytes=compiled.metadata.shared,
     )  # fmt: skip
     report.setmaxnreg = [

@@ -25,7 +25,9 @@ Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
   Q, dO, L log2(e) and Delta of each query tile (BM = 64) into a ring; the two consumer warpgroups (64 keys each)
   compute S^T = K Q^T and dP^T = V dO^T (in flight together), P^T, dV += P^T dO, dS^T, dK += dS^T Q by wgmma with
   the accumulators dK, dV in registers, and dQ = dS K by a wgmma reading dS from shared memory; dQ is converted to a
-  row-major layout and added to a float32 buffer with atomics (coalesced; 4-wide at d = 64) and converted (times the softmax scale) to the input dtype at the end. A small
+  row-major layout and added to a float32 buffer with atomics (coalesced; 4-wide at d = 64, where they are issued
+  one query tile late, through shared memory, under the next tile's S^T and dP^T) and converted (times the
+  softmax scale) to the input dtype at the end. A small
   Gluon kernel first writes L log2(e) and Delta = rowsum(O * dO) into padded rows (TMA needs 16-byte aligned
   rows; padded queries get L = +inf, so their P is 0 without a mask) and zeroes the dQ buffer.
 - Launches: after a shape's first, each kernel is launched from `flash_triton.CachedLaunch` (the compiled kernel's
@@ -99,6 +101,8 @@ class Config:
     pingpong: bool = False
     cons_regs: int = 240
     dq_vec: int = 0  # backward dQ atomics: 0 from the wgmma layout, 1 coalesced rows, 2 red.v4.f32
+    # backward: each query tile's dQ waits in shared memory; its atomics issue under the next tile's S^T, dP^T
+    dq_late: bool = False
 
 
 def _env_config(name: str) -> Config | None:
@@ -130,22 +134,26 @@ def forward_config(head_dim: int, seq_len: int, is_causal: bool) -> Config:
 
 
 def _env_bwd_config() -> Config | None:
-    """A backward config from the environment (`HOPPER_BWD=bm,bn,stages,dq_vec`): for timing variants."""
+    """A backward config from the environment (`HOPPER_BWD=bm,bn,stages,dq_vec[,dq_late]`): for timing
+    variants."""
     value = os.environ.get("HOPPER_BWD")
     if not value:
         return None
-    bm, bn, stages, dq_vec = (int(x) for x in value.split(","))
-    return Config(bm=bm, bn=bn, stages=stages, dq_vec=dq_vec)
+    bm, bn, stages, dq_vec, *late = (int(x) for x in value.split(","))
+    return Config(bm=bm, bn=bn, stages=stages, dq_vec=dq_vec, dq_late=bool(late and late[0]))
 
 
 def backward_config(head_dim: int, seq_len: int, is_causal: bool) -> Config:
     """128 keys per program (64 per consumer warpgroup), query tiles of 64: dK and dV (2 x 64 registers per
     thread at d = 128) plus S^T, dP^T and dQ fit 240 registers without spills. dQ's atomics: coalesced scalar
     adds at d = 128 (the red.v4 variant's layout conversion spills there), red.global.add.v4.f32 at d = 64
-    (measured on an H200: FINDINGS.md)."""
+    (measured on an H200: FINDINGS.md). At d = 64 the atomics are issued one query tile late, under the next
+    tile's S^T and dP^T (2-3 % faster on an H100); at d = 128 that measured 6-7 % slower (FINDINGS.md)."""
     if (cfg := _env_bwd_config()) is not None:
         return cfg
-    return Config(bm=64, bn=128, stages=2, dq_vec=2 if head_dim <= 64 else 1)
+    if head_dim <= 64:
+        return Config(bm=64, bn=128, stages=2, dq_vec=2, dq_late=True)
+    return Config(bm=64, bn=128, stages=2, dq_vec=1)
 
 
 @functools.cache
@@ -280,6 +288,7 @@ def backward(
             "D": d,
             "STAGES": cfg.stages,
             "DQ_VEC": cfg.dq_vec,
+            "DQ_LATE": cfg.dq_late,
             "num_warps": cfg.num_warps,
             "maxnreg": cfg.maxnreg,
         },
