@@ -249,6 +249,18 @@ def _bwd_load(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
 
 
 @gluon.jit
+def _red_add_v4(ptrs, ok, values):
+    """values[i] added at ptrs[i] where ok[i] != 0, one red.global.add.v4.f32 (sm_90) per 4 consecutive floats
+    of a thread (the asm's operands: outputs $0-$3, then 4 of each input in order)."""
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $8, 0; "
+        "@p red.relaxed.gpu.global.add.v4.f32 [$4], {$12, $13, $14, $15}; mov.b32 $0, 0; "
+        "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [ptrs.to(gl.int64), ok, values], dtype=gl.int32, is_pure=False,
+        pack=4)
+
+
+@gluon.jit
 def _bwd_add_dq(dQ_ptr, dq, q_start, row0, N_QUERIES, BM: gl.constexpr, D: gl.constexpr, DQ_VEC: gl.constexpr,
                 num_warps: gl.constexpr):
     """Adds one query tile's dQ (the wgmma accumulator) into the float32 dQ buffer with atomics."""
@@ -275,11 +287,7 @@ def _bwd_add_dq(dQ_ptr, dq, q_start, row0, N_QUERIES, BM: gl.constexpr, D: gl.co
         dq_q = q_start + dqv_rows
         ptrs = dQ_ptr + row0 * D + (dq_q[:, None] * D + dqv_cols[None, :])
         ok = ((dq_q[:, None] < N_QUERIES) & (dqv_cols[None, :] < D)).to(gl.int32)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $8, 0; "
-            "@p red.relaxed.gpu.global.add.v4.f32 [$4], {$12, $13, $14, $15}; mov.b32 $0, 0; "
-            "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
-            "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [ptrs.to(gl.int64), ok, dq], dtype=gl.int32, is_pure=False, pack=4)
+        _red_add_v4(ptrs, ok, dq)
     else:
         dq_q = q_start + dq_rows
         gl.atomic_add(dQ_ptr + row0 * D + (dq_q[:, None] * D + dq_cols[None, :]), dq,
@@ -307,11 +315,7 @@ def _bwd_add_dq_smem(dQ_ptr, dq_smem, q_start, row0, N_QUERIES, BM: gl.constexpr
         ptrs = dQ_ptr + row0 * D + (dq_q[:, None] * D + cols[None, :])
         if DQ_VEC == 2:
             ok = ((dq_q[:, None] < N_QUERIES) & (cols[None, :] < D)).to(gl.int32)
-            gl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $8, 0; "
-                "@p red.relaxed.gpu.global.add.v4.f32 [$4], {$12, $13, $14, $15}; mov.b32 $0, 0; "
-                "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
-                "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [ptrs.to(gl.int64), ok, dq], dtype=gl.int32, is_pure=False, pack=4)
+            _red_add_v4(ptrs, ok, dq)
         else:
             gl.atomic_add(ptrs, dq, mask=dq_q[:, None] < N_QUERIES, sem="relaxed")
 
