@@ -182,6 +182,7 @@ CLI_CODE = ("cli.py", "model/transformer.py", "measure/timing.py", "measure/prov
 MODEL_CODE = ("training/workload.py",)
 # Our FlashAttention: the operator, the tier that runs (flash_tiers imports the Hopper tier by name) and each tier.
 FLASH_KERNEL_CODE = ("kernels/flash_attention.py", "kernels/flash_tiers.py", "kernels/flash_triton.py",
+                     "kernels/flash_replay.py", "kernels/flash_replay.cpp",
                      "kernels/triton_interpreter.py", "kernels/hopper/__init__.py", "kernels/hopper/flash_attention.py",
                      "kernels/hopper/_kernels.py")
 

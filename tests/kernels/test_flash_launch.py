@@ -375,3 +375,17 @@ def test_dispatch_modes_see_the_forward_operator():
 @pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the tests ran in this process")
 def test_launch_tests_in_fresh_process():
     assert_passes_in_fresh_process(__file__)
+
+
+@launches_kernels
+def test_while_recording_every_launch_is_recorded_with_its_tensors():
+    from cs336_systems.kernels import flash_replay
+
+    q, k, v, do = qkv((1, 2), 20, 20, 16, seed=5)
+    forward_backward(q, k, v, do, True, tier="portable")  # each shape's first launch, through Triton
+    with flash_replay.recording() as records:  # on the CPU the backward runs in this thread too
+        forward_backward(q, k, v, do, True, tier="portable")
+    forward_backward(q, k, v, do, True, tier="portable")
+    assert [len(tensors) for _, tensors in records] == [5, 3, 8, 7]  # forward, preprocess, dK dV, dQ
+    assert all(isinstance(launch, flash_triton.RecordedLaunch) for launch, _ in records)
+    assert not flash_replay.wanted(flash_replay.key(q, k, v, True, "portable"))  # interpreted: no plan

@@ -1,6 +1,7 @@
-"""The launch caches of both tiers on a GPU (`gpu` marker): after a shape's first call our kernels are launched
-from the compiled kernel's own launcher (no autotuner, no JIT binding), and the later calls compute what the first
-one did (bitwise, but the Hopper tier's dQ, summed by atomics in no fixed order), within tolerance of float64
+"""The launch paths of both tiers on a GPU (`gpu` marker): after a shape's first call our kernels are launched
+either from the compiled kernel's own launcher (no autotuner, no JIT binding; replay off) or from C++ by the plan
+the first call recorded (`flash_replay`: no Python launch at all), and the later calls compute what the first one
+did (bitwise, but the Hopper tier's dQ, summed by atomics in no fixed order), within tolerance of float64
 attention. `test_flash_launch.py` checks the same cache in the CPU interpreter, with a stand-in for the compiled
 launcher; this file checks the launcher itself.
 """
@@ -8,7 +9,7 @@ launcher; this file checks the launcher itself.
 import pytest
 import torch
 
-from cs336_systems.kernels import flash_attention, flash_triton, hopper
+from cs336_systems.kernels import flash_attention, flash_replay, flash_triton, hopper
 from cs336_systems.kernels.hopper import flash_attention as hopper_tier
 
 from ..attention_reference import reference, rel_err
@@ -30,7 +31,9 @@ SHAPES = {
         (1, 2, 1024, 64, False, torch.bfloat16),
     ],
 }
-CASES = [(tier, shape) for tier, shapes in SHAPES.items() for shape in shapes]
+CASES = [
+    (tier, shape, replay) for tier, shapes in SHAPES.items() for shape in shapes for replay in (False, True)
+]
 
 
 def _launchers(tier: str) -> list:
@@ -56,9 +59,18 @@ def _refuse_triton_dispatch(monkeypatch, tier: str):
             monkeypatch.setattr(kernel, "run", refuse)
 
 
+def _refuse_python_launches(monkeypatch):
+    """From here on a launch from Python fails the test: replay launches from C++."""
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"{self.fn} was launched from Python, not replayed")
+
+    monkeypatch.setattr(flash_triton.CachedLaunch, "__call__", refuse)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tier, shape", CASES, ids=str)
-def test_cached_launches_repeat_the_first_launch(tier, shape, monkeypatch):
+@pytest.mark.parametrize("tier, shape, replay", CASES, ids=str)
+def test_later_launches_repeat_the_first_launch(tier, shape, replay, monkeypatch):
     batch, heads, n, d, causal, dtype = shape
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -68,13 +80,19 @@ def test_cached_launches_repeat_the_first_launch(tier, shape, monkeypatch):
         pytest.skip("the Hopper tier does not run here (needs a capability (9, 0) GPU and Gluon)")
     g = torch.Generator(device="cuda").manual_seed(n + d)
     q, k, v, do = (torch.randn(batch, heads, n, d, generator=g, device="cuda").to(dtype) for _ in range(4))
+    monkeypatch.setenv(flash_replay.ENV, "1" if replay else "0")
     flash_triton.clear_launch_cache()
     hopper_tier.clear_launch_cache()
+    flash_replay.reset()
     first = _forward_backward(q, k, v, do, causal, tier)
     for cached in _launchers(tier):
         assert len(cached.launches) == 1, f"{cached.fn}: one recorded launch"
+    planned = flash_replay.plan_for(q, k, v, causal, tier) is not None
+    assert planned == replay, f"a plan was {'not ' * replay}recorded"
 
     _refuse_triton_dispatch(monkeypatch, tier)
+    if replay:
+        _refuse_python_launches(monkeypatch)
     for _ in range(2):
         again = _forward_backward(q, k, v, do, causal, tier)
         for name, got, want in zip(("O", "dQ", "dK", "dV"), again, first, strict=True):
@@ -90,3 +108,20 @@ def test_cached_launches_repeat_the_first_launch(tier, shape, monkeypatch):
         name: rel_err(a, e) for name, a, e in zip(("O", "dQ", "dK", "dV"), first, expected, strict=True)
     }
     assert all(err < TOLERANCE[dtype] for err in errors.values()), errors  # NaN fails too
+
+
+@pytest.mark.gpu
+def test_replay_names_inputs_that_do_not_match_its_plan():
+    """A plan is specialised on shapes: the C++ side refuses other inputs with an error naming the input."""
+    if not torch.cuda.is_available() or flash_triton.INTERPRET:
+        pytest.skip("needs a CUDA GPU (and flash_triton imported without the interpreter)")
+    q, k, v, do = (torch.randn(1, 2, 64, 32, device="cuda", requires_grad=True) for _ in range(4))
+    flash_replay.reset()
+    torch.autograd.grad(flash_attention.flash_attention(q, k, v, True, tier="portable"), (q, k, v), do)
+    plan = flash_replay.plan_for(q, k, v, True, "portable")
+    if plan is None:
+        pytest.skip("replay is off here (no C++ toolchain, or $CS336_FLASH_REPLAY=0)")
+    with pytest.raises(RuntimeError, match="input 1 .* does not match the recorded plan"):
+        flash_replay.attention(q, k[:, :, :32].contiguous(), v, plan)
+    with pytest.raises(RuntimeError, match="no plan"):
+        flash_replay.attention(q, k, v, plan + 1000)

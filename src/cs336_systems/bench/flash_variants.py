@@ -91,19 +91,23 @@ def flex_attention(seq_len: int, device: torch.device, causal: bool = True) -> A
 
 
 def attention(impl: str, seq_len: int, device: torch.device, causal: bool = True) -> Attention:
-    """The implementation named `impl`: `triton` (ours, eager, the tier chosen for the inputs), `triton_portable`
+    """The implementation named `impl`: `triton` (ours, eager, the tier chosen for the inputs, through
+    `flash_attention` as the model calls it: from a shape's second call on, launched from C++ by `flash_replay`
+    unless $CS336_FLASH_REPLAY=0), `triton_portable`
     and `triton_hopper` (ours with that tier forced: FORCED_TIERS), `triton_compiled` (ours under torch.compile),
     `triton_op` (ours eagerly through the torch.library operators that torch.compile calls, where `triton` calls the
     kernels directly), `pytorch_naive`, `flex` (FlexAttention, compiled on the GPU), `sdpa`, or SDPA pinned to one
     backend, `sdpa_flash` or `sdpa_cudnn`. Ours run the tier `tier(impl, q)` names ($CS336_FLASH_TIER forces one)."""
     from torch.nn.attention import SDPBackend
 
-    from cs336_systems.kernels.flash_attention import FlashAttentionTriton, flash_attention_forward
+    from cs336_systems.kernels.flash_attention import (
+        FlashAttentionTriton,
+        flash_attention,
+        flash_attention_forward,
+    )
 
-    if impl == "triton":
-        return lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal)
-    if (forced := FORCED_TIERS.get(impl)) is not None:
-        return lambda q, k, v: FlashAttentionTriton.apply(q, k, v, causal, "triton", forced)
+    if impl == "triton" or impl in FORCED_TIERS:  # what the model calls: a recorded shape replays from C++
+        return lambda q, k, v: flash_attention(q, k, v, causal, tier=FORCED_TIERS.get(impl))
     if impl == "triton_compiled":
         compiled = torch.compile(FlashAttentionTriton.apply)
         return lambda q, k, v: compiled(q, k, v, causal)

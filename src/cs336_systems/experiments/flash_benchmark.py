@@ -4,8 +4,10 @@ The spec's grid (§1.3.2 e) is batch 1, one head, causal; `--heads`, `--tokens` 
 of the grid against PyTorch's fastest attention (many heads, batch = tokens / seq_len). For every dtype x head
 dim x sequence length, each implementation is timed with `triton.testing.do_bench` (median) on the forward, the
 backward and forward + backward, all in one run:
-- `triton`: `FlashAttentionTriton` (Triton forward and backward), eagerly; `triton_compiled` under torch.compile;
-  `triton_op` eagerly through the torch.library operators (which `triton` bypasses, as costly on the host);
+- `triton`: ours (Triton forward and backward) eagerly, through `flash_attention` as the model calls it (from a
+  shape's second call on launched from C++ by `flash_replay`); `triton_compiled`: `FlashAttentionTriton` under
+  torch.compile; `triton_op` eagerly through the torch.library operators (which `triton` bypasses, as costly on
+  the host);
 - `pytorch_naive`: softmax(Q K^T / sqrt(d) [+ causal mask]) V, materialising the scores;
 - `flex`: FlexAttention (a causal block mask or none), compiled;
 - `sdpa`: `torch.nn.functional.scaled_dot_product_attention` with PyTorch's own backend choice, and `sdpa_flash`,

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from cs336_systems.kernels import flash_tiers, flash_triton
+from cs336_systems.kernels import flash_replay, flash_tiers, flash_triton
 from cs336_systems.measure.timing import is_oom
 
 PYTORCH_TILE_SIZE = 32  # tiles of the pure-PyTorch forward (>= 16 x 16, as the spec asks)
@@ -219,6 +219,10 @@ def _backward(Q, K, V, O, dO, L, is_causal: bool, tier: str) -> tuple[Tensor, Te
     return (dQ, dK, dV) if Q.dim() == 3 else (dQ.view(Q.shape), dK.view(K.shape), dV.view(V.shape))
 
 
+def _contiguous(*tensors: Tensor) -> bool:
+    return all(t.is_contiguous() for t in tensors)
+
+
 def _direct(Q: Tensor) -> bool:
     """Whether to call the tier directly rather than through the operators: not while torch.compile traces (its
     graph needs the opaque operator), not under a dispatch mode (selective checkpointing caches the operator's
@@ -301,9 +305,16 @@ class FlashAttentionTriton(torch.autograd.Function):
         if backward not in TRITON_BACKWARDS:
             raise ValueError(f"backward must be one of {sorted(TRITON_BACKWARDS)}, got {backward!r}")
         ctx.resolved = _direct(Q)
+        ctx.replay = None
         if ctx.resolved:
+            plan_key = flash_replay.key(Q, K, V, is_causal, tier)
             tier = flash_tiers.tier_for(Q, is_causal, tier)  # resolved now: the backward runs this tier
-            O, L = _forward(Q, K, V, is_causal, tier)
+            if backward == "triton" and flash_replay.wanted(plan_key) and _contiguous(Q, K, V):
+                with flash_replay.recording() as records:  # for launching this shape from C++ from now on
+                    O, L = _forward(Q, K, V, is_causal, tier)
+                ctx.replay = flash_replay.record_forward(plan_key, (Q, K, V), (O, L), records)
+            else:
+                O, L = _forward(Q, K, V, is_causal, tier)
         else:  # the operator resolves the request as it runs, and its backward the same request to the same tier
             O, L = flash_attention_forward(Q, K, V, is_causal, tier)
         _save_for_backward(ctx, (Q, K, V, is_causal, tier), (O, L))
@@ -317,7 +328,12 @@ class FlashAttentionTriton(torch.autograd.Function):
             grads = compiled_backward(Q, K, V, O, dO, L, ctx.is_causal)
         elif _direct(Q):
             tier = ctx.tier if ctx.resolved else flash_tiers.tier_for(Q, ctx.is_causal, ctx.tier)
-            grads = _backward(Q, K, V, O, dO, L, ctx.is_causal, tier)
+            if ctx.replay is not None and dO.is_contiguous():
+                with flash_replay.recording() as records:
+                    grads = _backward(Q, K, V, O, dO, L, ctx.is_causal, tier)
+                flash_replay.register(ctx.replay, (Q, K, V, O, dO, L), grads, records)
+            else:
+                grads = _backward(Q, K, V, O, dO, L, ctx.is_causal, tier)
         else:
             grads = flash_attention_backward(Q, K, V, O, dO, L, ctx.is_causal, ctx.tier)
         return (*grads, None, None, None)
@@ -339,6 +355,12 @@ def flash_attention(
     `tier` forces a kernel tier of the Triton implementations (see `flash_tiers`)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
+    if (
+        impl == "triton"
+        and (plan := flash_replay.plan_for(q, k, v, is_causal, tier)) is not None
+        and _direct(q)
+    ):
+        return flash_replay.attention(q, k, v, plan)  # a shape recorded before: launched from C++
     function, options = IMPLEMENTATIONS[impl]
     if impl in TIERED:
         return function.apply(q, k, v, is_causal, *options, tier)

@@ -25,6 +25,7 @@ kernel's launcher directly.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import triton
@@ -440,9 +441,10 @@ class CachedLaunch:
     arguments are tensors or TMA descriptors (the Hopper tier's), whose base tensor counts.
 
     A key's first launch goes through Triton (the autotuner tunes or looks up its config, the JIT binds arguments
-    and finds or compiles the kernel) and records what ran: config, grid, the non-tensor arguments in the kernel's
-    order and the `CompiledKernel`. Later launches of the key call that kernel's launcher with them, as
-    `JITFunction.run` does last. Interpreting, they call the interpreted function with the recorded config."""
+    and finds or compiles the kernel) and records what ran (`RecordedLaunch`). Later launches of the key call that
+    kernel's launcher with them, as `JITFunction.run` does last. Interpreting, they call the interpreted function
+    with the recorded config. While this thread's `RECORDING.launches` is a list, each launch appends (its
+    RecordedLaunch, None when uncached; its tensors) to it: what `flash_replay` turns into a plan for C++."""
 
     MAX_KEYS = 4096  # a sweep over shapes cannot grow the cache without bound
 
@@ -460,28 +462,49 @@ class CachedLaunch:
         launch = self.launches.get(key) if aligned else None
         if launch is not None:
             launch(tensors)
-            return
-        args = scalars()
-        compiled = self.kernel[grid](*tensors, **args)
-        if aligned:
-            if len(self.launches) >= self.MAX_KEYS:
-                self.launches.clear()
-            self.launches[key] = self._record(compiled, grid, tensors, args)
+        else:
+            args = scalars()
+            compiled = self.kernel[grid](*tensors, **args)
+            if aligned:
+                if len(self.launches) >= self.MAX_KEYS:
+                    self.launches.clear()
+                launch = self.launches[key] = RecordedLaunch(self, compiled, grid, tensors, args)
+        records = getattr(RECORDING, "launches", None)
+        if records is not None:
+            records.append((launch, tensors))
 
-    def _record(self, compiled, grid, tensors: tuple, args: dict):
-        config = self.kernel.best_config if self.kernel is not self.fn else None
+
+# Per thread, `RECORDING.launches`, while a list, is where CachedLaunch records each launch (`flash_replay`).
+RECORDING = threading.local()
+
+
+class RecordedLaunch:
+    """What a key's first launch ran: the compiled kernel, its grid and the arguments after the tensors, in the
+    kernel's order (constexprs too, which the launcher skips). Called with a later launch's tensors, it calls
+    that kernel's launcher (the config's num_warps, num_stages and maxnreg are compiled into the kernel)."""
+
+    def __init__(self, cached: CachedLaunch, compiled, grid, tensors: tuple, args: dict):
+        kernel = cached.kernel
+        config = kernel.best_config if kernel is not cached.fn else None
         meta = {**args, **config.all_kwargs()} if config is not None else args
-        grid = tuple(grid(meta)) if callable(grid) else tuple(grid)
+        self.grid = tuple(grid(meta)) if callable(grid) else tuple(grid)
+        self.arg_names = cached.fn.arg_names
+        self.trailing = tuple(meta[name] for name in self.arg_names[len(tensors) :])
         if INTERPRET:
-            fn = self.fn
-            return lambda tensors: fn.run(*tensors, grid=grid, warmup=False, **meta)
+            fn = cached.fn
+            self._launch = lambda tensors: fn.run(*tensors, grid=self.grid, warmup=False, **meta)
+            self.compiled = None
+            return
         if hasattr(compiled, "result"):  # a future, under Triton's async compilation
             compiled = compiled.result()
-        # The launcher takes every argument in the kernel's order (constexprs too, which it skips); the config's
-        # num_warps, num_stages and maxnreg are compiled into the kernel.
-        trailing = tuple(meta[name] for name in self.fn.arg_names[len(tensors) :])
+        self.compiled = compiled
+        self._launch = self._launcher(compiled)
+
+    def _launcher(self, compiled):
+        trailing = self.trailing
         run = compiled.run  # first, as it loads the module and sets `function`
         function, packed = compiled.function, compiled.packed_metadata
+        grid = self.grid
         grid_xyz = (*grid, 1, 1)[:3]
         get_device, get_stream = driver.active.get_current_device, driver.active.get_current_stream
         hooks = triton.knobs.runtime
@@ -496,6 +519,9 @@ class CachedLaunch:
             run(*grid_xyz, stream, function, packed, metadata, enter, leave, *tensors, *trailing)
 
         return launch
+
+    def __call__(self, tensors: tuple) -> None:
+        self._launch(tensors)
 
 
 def _aligned(tensors: tuple) -> bool:
