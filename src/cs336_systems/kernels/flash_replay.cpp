@@ -17,6 +17,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -158,10 +159,9 @@ int64_t register_plan(int64_t device, const py::dict& forward, const py::dict& b
   return static_cast<int64_t>(plans.size()) - 1;
 }
 
-const Plan& plan_at(int64_t id) {
-  std::lock_guard<std::mutex> lock(plans_mutex);  // the vector may grow while another thread registers
-  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(plans.size()), "flash replay: no plan ", id);
-  return plans[id];
+const Plan* find_plan(int64_t id) {
+  std::lock_guard<std::mutex> lock(plans_mutex);  // the deque may grow while another thread registers
+  return id >= 0 && id < static_cast<int64_t>(plans.size()) ? &plans[id] : nullptr;
 }
 
 void launch(const Launch& l, const std::vector<at::Tensor>& slots, CUstream stream) {
@@ -233,18 +233,27 @@ void launch(const Launch& l, const std::vector<at::Tensor>& slots, CUstream stre
   TORCH_CHECK(r == CUDA_SUCCESS, "flash replay: cuLaunchKernelEx failed (", static_cast<int>(r), ")");
 }
 
-std::vector<at::Tensor> run(const Plan& plan, const Step& s, std::vector<at::Tensor> slots) {
-  TORCH_CHECK(slots.size() == s.inputs.size(), "flash replay: ", slots.size(), " inputs, the plan has ",
-              s.inputs.size());
-  for (size_t i = 0; i < s.inputs.size(); ++i) {
-    const at::Tensor& t = slots[i];
+// Why inputs cannot run a step of a plan, or "" when they can (checked before the autograd Function runs: an
+// error is returned to Python as a message, never thrown through the Function).
+std::string mismatch(const Plan& plan, const Step& s, const std::vector<at::Tensor>& inputs) {
+  if (inputs.size() != s.inputs.size()) return "flash replay: the plan takes " + std::to_string(s.inputs.size()) + " inputs";
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& t = inputs[i];
     const Buffer& expected = s.inputs[i];
-    TORCH_CHECK(t.is_cuda() && t.get_device() == plan.device && t.is_contiguous() &&
-                    t.scalar_type() == expected.dtype && t.numel() == c10::multiply_integers(expected.shape),
-                "flash replay: input ", i, " (shape ", t.sizes(), ", ", t.scalar_type(),
-                ") does not match the recorded plan (", expected.shape, ", ", expected.dtype,
-                ", contiguous, on cuda:", plan.device, ")");
+    if (t.defined() && t.is_cuda() && t.get_device() == plan.device && t.scalar_type() == expected.dtype &&
+        t.numel() == c10::multiply_integers(expected.shape))
+      continue;
+    std::ostringstream why;
+    why << "flash replay: input " << i << " (shape " << (t.defined() ? t.sizes() : at::IntArrayRef{}) << ", "
+        << (t.defined() ? t.scalar_type() : at::kFloat) << ") does not match the recorded plan (shape [";
+    for (size_t j = 0; j < expected.shape.size(); ++j) why << (j ? ", " : "") << expected.shape[j];
+    why << "], " << expected.dtype << ", on cuda:" << plan.device << ")";
+    return why.str();
   }
+  return "";
+}
+
+std::vector<at::Tensor> run(const Step& s, std::vector<at::Tensor> slots) {
   const auto options = slots[0].options();  // before the buffers join the slots (a vector that grows)
   c10::cuda::CUDAGuard guard(options.device());
   for (const Buffer& b : s.buffers) slots.push_back(at::empty(b.shape, options.dtype(b.dtype)));
@@ -259,9 +268,9 @@ class Replay : public torch::autograd::Function<Replay> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, int64_t plan_id) {
-    const Plan& plan = plan_at(plan_id);
+    const Plan& plan = *find_plan(plan_id);  // `attention` checked it and the inputs
     at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();  // as the Python path
-    auto out = run(plan, plan.forward, {qc, kc, vc});  // O, L
+    auto out = run(plan.forward, {qc, kc, vc});  // O, L
     ctx->save_for_backward({qc, kc, vc, out[0], out[1]});
     ctx->saved_data["plan"] = plan_id;
     return out[0].view(q.sizes());
@@ -269,24 +278,31 @@ class Replay : public torch::autograd::Function<Replay> {
 
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
-    const Plan& plan = plan_at(ctx->saved_data["plan"].toInt());
+    const Plan& plan = *find_plan(ctx->saved_data["plan"].toInt());
     auto saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
-    at::Tensor dout = grads[0].contiguous();
-    TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == q.scalar_type(),
-                "flash replay: the output's gradient has shape ", dout.sizes(), ", expected ", q.sizes());
-    auto g = run(plan, plan.backward, {q, k, v, saved[3], dout, saved[4]});  // dQ, dK, dV
+    at::Tensor dout = grads[0].contiguous();  // autograd checked its shape and dtype against the output's
+    auto g = run(plan.backward, {q, k, v, saved[3], dout, saved[4]});  // dQ, dK, dV
     return {g[0].view(q.sizes()), g[1].view(k.sizes()), g[2].view(v.sizes()), at::Tensor()};
   }
 };
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t plan_id) {
-  return Replay::apply(q, k, v, plan_id);
+std::string check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t plan_id) {
+  const Plan* plan = find_plan(plan_id);
+  if (plan == nullptr) return "flash replay: no plan " + std::to_string(plan_id);
+  return mismatch(*plan, plan->forward, {q, k, v});
+}
+
+// None when the inputs do not match the plan (`check` says why).
+py::object attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t plan_id) {
+  if (!check(q, k, v, plan_id).empty()) return py::none();
+  return py::cast(Replay::apply(q, k, v, plan_id));
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_plan", &register_plan, "a recorded forward and backward; returns the plan's id");
-  m.def("attention", &attention, "attention of q over k, v by a registered plan, differentiable");
+  m.def("attention", &attention, "attention of q over k, v by a registered plan, differentiable; None on mismatch");
+  m.def("check", &check, "why q, k, v cannot run a registered plan, or an empty string");
 }

@@ -79,7 +79,10 @@ def plan_for(
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: int) -> torch.Tensor:
     """Attention of q over k, v by a registered plan, differentiable (its backward is the plan's, in C++)."""
-    return _native.attention(q, k, v, plan)
+    out = _native.attention(q, k, v, plan)
+    if out is None:  # the C++ side returns why rather than throwing through its autograd Function
+        raise ValueError(_native.check(q, k, v, plan))
+    return out
 
 
 def wanted(plan_key: tuple) -> bool:
