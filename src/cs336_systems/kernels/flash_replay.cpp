@@ -17,7 +17,6 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -233,24 +232,17 @@ void launch(const Launch& l, const std::vector<at::Tensor>& slots, CUstream stre
   TORCH_CHECK(r == CUDA_SUCCESS, "flash replay: cuLaunchKernelEx failed (", static_cast<int>(r), ")");
 }
 
-// Why inputs cannot run a step of a plan, or "" when they can (checked before the autograd Function runs: an
-// error is returned to Python as a message, never thrown through the Function).
-std::string mismatch(const Plan& plan, const Step& s, const std::vector<at::Tensor>& inputs) {
-  if (inputs.size() != s.inputs.size()) return "flash replay: the plan takes " + std::to_string(s.inputs.size()) + " inputs";
+// Whether inputs can run a step of a plan (checked before the autograd Function runs; Python says why not).
+bool matches(const Plan& plan, const Step& s, const std::vector<at::Tensor>& inputs) {
+  if (inputs.size() != s.inputs.size()) return false;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const at::Tensor& t = inputs[i];
     const Buffer& expected = s.inputs[i];
-    if (t.defined() && t.is_cuda() && t.get_device() == plan.device && t.scalar_type() == expected.dtype &&
-        t.numel() == c10::multiply_integers(expected.shape))
-      continue;
-    std::ostringstream why;
-    why << "flash replay: input " << i << " (shape " << (t.defined() ? t.sizes() : at::IntArrayRef{}) << ", "
-        << (t.defined() ? t.scalar_type() : at::kFloat) << ") does not match the recorded plan (shape [";
-    for (size_t j = 0; j < expected.shape.size(); ++j) why << (j ? ", " : "") << expected.shape[j];
-    why << "], " << expected.dtype << ", on cuda:" << plan.device << ")";
-    return why.str();
+    if (!t.defined() || !t.is_cuda() || t.get_device() != plan.device || t.scalar_type() != expected.dtype ||
+        t.numel() != c10::multiply_integers(expected.shape))
+      return false;
   }
-  return "";
+  return true;
 }
 
 std::vector<at::Tensor> run(const Step& s, std::vector<at::Tensor> slots) {
@@ -287,15 +279,10 @@ class Replay : public torch::autograd::Function<Replay> {
   }
 };
 
-std::string check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t plan_id) {
-  const Plan* plan = find_plan(plan_id);
-  if (plan == nullptr) return "flash replay: no plan " + std::to_string(plan_id);
-  return mismatch(*plan, plan->forward, {q, k, v});
-}
-
-// None when the inputs do not match the plan (`check` says why).
+// None when there is no such plan or the inputs do not match it.
 py::object attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t plan_id) {
-  if (!check(q, k, v, plan_id).empty()) return py::none();
+  const Plan* plan = find_plan(plan_id);
+  if (plan == nullptr || !matches(*plan, plan->forward, {q, k, v})) return py::none();
   return py::cast(Replay::apply(q, k, v, plan_id));
 }
 
@@ -304,5 +291,4 @@ py::object attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("register_plan", &register_plan, "a recorded forward and backward; returns the plan's id");
   m.def("attention", &attention, "attention of q over k, v by a registered plan, differentiable; None on mismatch");
-  m.def("check", &check, "why q, k, v cannot run a registered plan, or an empty string");
 }

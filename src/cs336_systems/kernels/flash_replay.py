@@ -38,6 +38,9 @@ ENV = "CS336_FLASH_REPLAY"
 
 _plans: dict[tuple, int] = {}  # key -> the C++ plan's id
 _refused: set[tuple] = set()  # keys whose recording a plan cannot repeat: never recorded again
+_inputs: dict[
+    int, list
+] = {}  # plan id -> its inputs' (shape, dtype), for the error of inputs that do not match
 _native = None  # the built extension; False when it cannot be built here
 _build_lock = threading.Lock()
 
@@ -80,8 +83,10 @@ def plan_for(
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: int) -> torch.Tensor:
     """Attention of q over k, v by a registered plan, differentiable (its backward is the plan's, in C++)."""
     out = _native.attention(q, k, v, plan)
-    if out is None:  # the C++ side returns why rather than throwing through its autograd Function
-        raise ValueError(_native.check(q, k, v, plan))
+    if out is None:  # the C++ side returns None rather than throwing through its autograd Function
+        expected = _inputs.get(plan, "no such plan")
+        got = [(tuple(t.shape), t.dtype, str(t.device)) for t in (q, k, v)]
+        raise ValueError(f"flash replay: inputs {got} do not match the recorded plan {plan}: {expected}")
     return out
 
 
@@ -128,7 +133,8 @@ def register(forward, inputs: tuple, outputs: tuple, records: list) -> None:
         return
     native = _load()
     if native is not None:
-        _plans[plan_key] = native.register_plan(plan_key[6].index, forward_step, backward_step)
+        plan = _plans[plan_key] = native.register_plan(plan_key[6].index, forward_step, backward_step)
+        _inputs[plan] = [(tuple(shape), dtype.dtype) for shape, dtype in forward_step["inputs"]]
 
 
 def _refuse(plan_key: tuple, why: Unreplayable) -> None:
