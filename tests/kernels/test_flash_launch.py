@@ -389,3 +389,19 @@ def test_while_recording_every_launch_is_recorded_with_its_tensors():
     assert [len(tensors) for _, tensors in records] == [5, 3, 8, 7]  # forward, preprocess, dK dV, dQ
     assert all(isinstance(launch, flash_triton.RecordedLaunch) for launch, _ in records)
     assert not flash_replay.wanted(flash_replay.key(q, k, v, True, "portable"))  # interpreted: no plan
+
+
+@launches_kernels
+def test_a_call_is_recorded_only_where_a_backward_follows(monkeypatch):
+    from cs336_systems.kernels import flash_replay
+
+    monkeypatch.setattr(flash_replay, "wanted", lambda key: key not in flash_replay._refused)
+    flash_replay.reset()
+    q, k, v, _ = qkv((1, 2), 24, 24, 16, seed=6)
+    with torch.no_grad():
+        flash_attention.flash_attention(q, k, v, True, tier="portable")  # inference: nothing recorded
+    assert not flash_replay._refused
+    # with gradients it is recorded; interpreted launches have no compiled kernel, so the plan is refused
+    with pytest.warns(UserWarning, match="stays on the Python path: a launch went through Triton's dispatch"):
+        flash_attention.flash_attention(*(t.requires_grad_() for t in (q, k, v)), True, tier="portable")
+    flash_replay.reset()

@@ -309,7 +309,11 @@ class FlashAttentionTriton(torch.autograd.Function):
         if ctx.resolved:
             plan_key = flash_replay.key(Q, K, V, is_causal, tier)
             tier = flash_tiers.tier_for(Q, is_causal, tier)  # resolved now: the backward runs this tier
-            if backward == "triton" and flash_replay.wanted(plan_key) and _contiguous(Q, K, V):
+            # recorded only where a backward will follow: a plan needs both (and inference skips the cost)
+            recording = (
+                backward == "triton" and any(ctx.needs_input_grad[:3]) and flash_replay.wanted(plan_key)
+            )
+            if recording and _contiguous(Q, K, V):
                 with flash_replay.recording() as records:  # for launching this shape from C++ from now on
                     O, L = _forward(Q, K, V, is_causal, tier)
                 ctx.replay = flash_replay.record_forward(plan_key, (Q, K, V), (O, L), records)
