@@ -38,9 +38,8 @@ ENV = "CS336_FLASH_REPLAY"
 
 _plans: dict[tuple, int] = {}  # key -> the C++ plan's id
 _refused: set[tuple] = set()  # keys whose recording a plan cannot repeat: never recorded again
-_inputs: dict[
-    int, list
-] = {}  # plan id -> its inputs' (shape, dtype), for the error of inputs that do not match
+# plan id -> its inputs' (shape, dtype), for the error raised for inputs that do not match
+_inputs: dict[int, list] = {}
 _native = None  # the built extension; False when it cannot be built here
 _build_lock = threading.Lock()
 
