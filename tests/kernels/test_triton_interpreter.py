@@ -1,4 +1,4 @@
-"""The Triton-interpreter patch (cs336_systems.kernels.triton_interpreter) on small kernels that hit its three gaps.
+"""The Triton-interpreter patch (cs336_systems.kernels.triton_interpreter) on small kernels that hit its four gaps.
 
 Each check runs in a fresh interpreter-mode process: whether kernels are interpreted is fixed when triton is
 imported, and another test module may have imported it compiled.
@@ -56,7 +56,16 @@ SCRIPT = textwrap.dedent(
 
     N = 16
     g = torch.Generator().manual_seed(0)
-    if sys.argv[2] == "round":
+    if sys.argv[2] == "restore":
+        names = ("arange", "load", "num_programs", "program_id")
+        builtins = {(m, name): getattr(m, name) for m in (tl, tl.core) for name in names}
+        from cs336_systems.kernels.flash_attention import flash_attention  # kernels that call @triton.jit helpers
+
+        q, k, v = (torch.randn(1, 2, 20, 16, generator=g, requires_grad=True) for _ in range(3))
+        flash_attention(q, k, v, True, tier="portable").sum().backward()
+        still_patched = [f"{m.__name__}.{name}" for (m, name), f in builtins.items() if getattr(m, name) is not f]
+        assert not still_patched, f"left patched after the launch: {still_patched}"
+    elif sys.argv[2] == "round":
         # float32 values between two bf16 neighbours, nearer the larger magnitude, and exact ties (to even)
         x = torch.tensor([1 + 2**-8 + 2**-10, -(1 + 2**-8 + 2**-10), 1 + 2**-8, 1 + 3 * 2**-8] * (N // 4))
         out = torch.empty(N, dtype=torch.bfloat16)
@@ -87,7 +96,7 @@ def run_check(tmp_path, patched: str, check: str) -> subprocess.CompletedProcess
     )
 
 
-@pytest.mark.parametrize("check", ["loop", "bf16_dot", "round"])
+@pytest.mark.parametrize("check", ["loop", "bf16_dot", "round", "restore"])
 def test_patched_interpreter_runs_the_kernels_correctly(tmp_path, check):
     result = run_check(tmp_path, "patched", check)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

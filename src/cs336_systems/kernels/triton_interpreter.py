@@ -1,4 +1,4 @@
-"""Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs the kernels without a GPU), and a patch for three of
+"""Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs the kernels without a GPU), and a patch for four of
 its gaps that our kernels hit. Compiled kernels are unaffected: the patch is applied only when interpreting.
 
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the choice must be made (the
@@ -23,7 +23,7 @@ def use_off_cuda(device) -> None:
 
 
 def patch() -> None:
-    """Work around three gaps of the Triton 3.6 interpreter (idempotent):
+    """Work around four gaps of the Triton 3.6 interpreter (idempotent):
 
     - Scalars are 1-element arrays and `range()` calls `int()` on them, an error since NumPy 2.4
       (triton-lang/triton#9171): loop bounds derived from program_id fail. Squeeze first, as upstream's fix does.
@@ -32,6 +32,10 @@ def patch() -> None:
       GPU's bf16 MMA with float32 accumulation computes.
     - float32 -> bfloat16 (`x.to(tl.bfloat16)`) truncates toward zero, where the GPU rounds to nearest even: a
       bias that AdamW's repeated stores turn into drift. Round to nearest even, as the GPU does.
+    - A call of one @triton.jit function from another patches triton.language's builtins for the interpreter and
+      never restores them, so they stay patched for the rest of the process: a Gluon kernel compiled later in it
+      (the Hopper tier's compile check) gets raw IR values from `gl.num_programs`. Restore them after the call,
+      as a kernel launch does.
     """
     import numpy as np
     import triton.language as tl
@@ -66,6 +70,17 @@ def patch() -> None:
         rounded[nan] = (bits[nan] >> 16).astype(np.uint16) | 0x0040  # a NaN stays a (quiet) NaN
         return interpreter.TensorHandle(rounded, tl.bfloat16)
 
+    # InterpretedFunction.__call__ (a call from inside a kernel), with its patch of the language restored
+    def device_call(self, *args, **kwargs):
+        scope = interpreter._patch_lang(self.fn)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+        finally:
+            scope.restore()
+
+    interpreter.InterpretedFunction.__call__ = device_call
     interpreter._patch_lang_tensor = patched_lang_tensor
     interpreter.InterpreterBuilder.create_dot = patched_dot
     interpreter.InterpreterBuilder.create_fp_trunc = patched_fp_trunc
