@@ -307,13 +307,11 @@ class FlashAttentionTriton(torch.autograd.Function):
         ctx.resolved = _direct(Q)
         ctx.replay = None
         if ctx.resolved:
-            plan_key = flash_replay.key(Q, K, V, is_causal, tier)
-            tier = flash_tiers.tier_for(Q, is_causal, tier)  # resolved now: the backward runs this tier
             # recorded only where a backward will follow: a plan needs both (and inference skips the cost)
-            recording = (
-                backward == "triton" and any(ctx.needs_input_grad[:3]) and flash_replay.wanted(plan_key)
-            )
-            if recording and _contiguous(Q, K, V):
+            recordable = backward == "triton" and any(ctx.needs_input_grad[:3]) and _contiguous(Q, K, V)
+            plan_key = flash_replay.key(Q, K, V, is_causal, tier) if recordable else None
+            tier = flash_tiers.tier_for(Q, is_causal, tier)  # resolved now: the backward runs this tier
+            if recordable and flash_replay.wanted(plan_key):
                 with flash_replay.recording() as records:  # for launching this shape from C++ from now on
                     O, L = _forward(Q, K, V, is_causal, tier)
                 ctx.replay = flash_replay.record_forward(plan_key, (Q, K, V), (O, L), records)

@@ -54,20 +54,8 @@ class Aliased(Unreplayable):
 
 def key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, tier: str | None) -> tuple:
     """What a plan is specialised on: shapes, dtypes, devices, the causal flag and the tier request."""
-    request = tier or os.environ.get(flash_tiers.ENV) or "auto"
-    return (
-        q.shape,
-        k.shape,
-        v.shape,
-        q.dtype,
-        k.dtype,
-        v.dtype,
-        q.device,
-        k.device,
-        v.device,
-        is_causal,
-        request,
-    )
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, is_causal,
+            flash_tiers.request(tier))  # fmt: skip
 
 
 def plan_for(

@@ -76,10 +76,14 @@ def get(name: str) -> Tier:
     return tier
 
 
+def request(tier: str | None = None) -> str:
+    """What is asked for: `tier` if given, else $CS336_FLASH_TIER, else "auto"."""
+    return tier or os.environ.get(ENV) or "auto"
+
+
 def tier_for(q: torch.Tensor, is_causal: bool, tier: str | None = None) -> str:
     """The name of the tier that runs attention of queries like `q` (..., seq, d); see the module docstring."""
-    request = tier or os.environ.get(ENV) or "auto"
-    key = (q.device, q.dtype, q.shape[-1], is_causal, request)
+    key = (q.device, q.dtype, q.shape[-1], is_causal, request(tier))
     name = _chosen.get(key)
     if name is None:
         name = _chosen[key] = _choose(*key)

@@ -488,8 +488,7 @@ class RecordedLaunch:
         config = kernel.best_config if kernel is not cached.fn else None
         meta = {**args, **config.all_kwargs()} if config is not None else args
         self.grid = tuple(grid(meta)) if callable(grid) else tuple(grid)
-        self.arg_names = cached.fn.arg_names
-        self.trailing = tuple(meta[name] for name in self.arg_names[len(tensors) :])
+        self.trailing = tuple(meta[name] for name in cached.fn.arg_names[len(tensors) :])
         if INTERPRET:
             fn = cached.fn
             self._launch = lambda tensors: fn.run(*tensors, grid=self.grid, warmup=False, **meta)
