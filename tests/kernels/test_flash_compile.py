@@ -13,6 +13,8 @@ import sys
 import torch
 
 ON_GPU = torch.cuda.is_available()
+# triton imported already without the interpreter (by an earlier test module): its kernels cannot run here
+TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
 if not ON_GPU:
     # The interpreter must be chosen before triton is imported (see test_flash_attention.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -32,8 +34,8 @@ from cs336_systems.model.transformer import ModelConfig, TransformerLM  # noqa: 
 from ..attention_reference import reference, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    not ON_GPU and not flash_triton.INTERPRET,
-    reason=f"triton was imported before TRITON_INTERPRET=1 ({'triton' in sys.modules}): run this file alone",
+    not ON_GPU and (TRITON_PREIMPORTED or not flash_triton.INTERPRET),
+    reason="triton was imported before TRITON_INTERPRET=1: run this file alone",
 )
 DEVICE = "cuda" if ON_GPU else "cpu"
 

@@ -1,7 +1,7 @@
 """The launch paths of both tiers on a GPU (`gpu` marker): after a shape's first call our kernels are launched
 either from the compiled kernel's own launcher (no autotuner, no JIT binding; replay off) or from C++ by the plan
 the first call recorded (`flash_replay`: no Python launch at all), and the later calls compute what the first one
-did (bitwise, but the Hopper tier's dQ, summed by atomics in no fixed order), within tolerance of float64
+did (bitwise, but the Hopper tier's dQ, summed by TMA reductions in no fixed order), within tolerance of float64
 attention. `test_flash_launch.py` checks the same cache in the CPU interpreter, with a stand-in for the compiled
 launcher; this file checks the launcher itself.
 """
@@ -96,7 +96,7 @@ def test_later_launches_repeat_the_first_launch(tier, shape, replay, monkeypatch
     for _ in range(2):
         again = _forward_backward(q, k, v, do, causal, tier)
         for name, got, want in zip(("O", "dQ", "dK", "dV"), again, first, strict=True):
-            if tier == "hopper" and name == "dQ":  # atomics: the same sum in another order
+            if tier == "hopper" and name == "dQ":  # TMA reduce-adds: the same sum in another order
                 assert rel_err(got, want.double()) < TOLERANCE[dtype], name
             else:
                 assert torch.equal(got, want), f"{name} differs from the first call's"

@@ -5,8 +5,10 @@ See `flash_attention.py` for the design; this module holds only the kernels and 
 
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -17,6 +19,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Adds the shared-memory tile `src` into the global tile of `tensor_desc` at `coord` by a TMA reduction
+    (cp.reduce.async.bulk.tensor ... .add): Gluon 3.6 has the builder's op but no Python wrapper for it.
+    Completion is waited for like a TMA store's (`tma.store_wait`)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
 
 
 @gluon.constexpr_function
@@ -223,7 +236,7 @@ def flash_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L_ptr, N_QUERIES, N_KEYS, q
 
 # ----------------------------------------------------------------------------------------------------------
 # Backward: one program per key tile computes its dK, dV over the query tiles in registers and adds each query
-# tile's share of dQ into a float32 buffer with atomics. Delta = rowsum(O * dO) comes from a preprocessing
+# tile's share of dQ into a float32 buffer by a TMA reduction. Delta = rowsum(O * dO) comes from a preprocessing
 # kernel. Everything is in transposed (key x query) form, so that the key tile is the wgmma M dimension.
 # ----------------------------------------------------------------------------------------------------------
 @gluon.jit
@@ -249,85 +262,13 @@ def _bwd_load(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_s
 
 
 @gluon.jit
-def _red_add_v4(ptrs, ok, values):
-    """values[i] added at ptrs[i] where ok[i] != 0, one red.global.add.v4.f32 (sm_90) per 4 consecutive floats
-    of a thread (the asm's operands: outputs $0-$3, then 4 of each input in order)."""
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $8, 0; "
-        "@p red.relaxed.gpu.global.add.v4.f32 [$4], {$12, $13, $14, $15}; mov.b32 $0, 0; "
-        "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
-        "=r,=r,=r,=r,l,l,l,l,r,r,r,r,r,r,r,r", [ptrs.to(gl.int64), ok, values], dtype=gl.int32, is_pure=False,
-        pack=4)
-
-
-@gluon.jit
-def _bwd_add_dq(dQ_ptr, dq, q_start, row0, N_QUERIES, BM: gl.constexpr, D: gl.constexpr, DQ_VEC: gl.constexpr,
-                num_warps: gl.constexpr):
-    """Adds one query tile's dQ (the wgmma accumulator) into the float32 dQ buffer with atomics."""
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, num_warps // 4],
-                                                        instr_shape=[16, D // (num_warps // 4), 16])
-    dq_rows = gl.arange(0, BM, gl.SliceLayout(1, dq_layout))
-    dq_cols = gl.arange(0, D, gl.SliceLayout(0, dq_layout))
-    dqc_layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
-    dqc_rows = gl.arange(0, BM, gl.SliceLayout(1, dqc_layout))
-    dqc_cols = gl.arange(0, D, gl.SliceLayout(0, dqc_layout))
-    dqv_layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // D, D // 4], [num_warps, 1], [1, 0])
-    dqv_rows = gl.arange(0, BM, gl.SliceLayout(1, dqv_layout))
-    dqv_cols = gl.arange(0, D, gl.SliceLayout(0, dqv_layout))
-    # Rows past N_QUERIES belong to the next batch element (or lie past the end): masked.
-    if DQ_VEC == 1:
-        # A warp on 32 consecutive floats of a row per instruction: 4 full 32-byte sectors.
-        dq = gl.convert_layout(dq, dqc_layout)
-        dq_q = q_start + dqc_rows
-        gl.atomic_add(dQ_ptr + row0 * D + (dq_q[:, None] * D + dqc_cols[None, :]), dq,
-                      mask=dq_q[:, None] < N_QUERIES, sem="relaxed")
-    elif DQ_VEC == 2:
-        # 4 consecutive floats per thread: one red.global.add.v4.f32 (sm_90) for each 4.
-        dq = gl.convert_layout(dq, dqv_layout)
-        dq_q = q_start + dqv_rows
-        ptrs = dQ_ptr + row0 * D + (dq_q[:, None] * D + dqv_cols[None, :])
-        ok = ((dq_q[:, None] < N_QUERIES) & (dqv_cols[None, :] < D)).to(gl.int32)
-        _red_add_v4(ptrs, ok, dq)
-    else:
-        dq_q = q_start + dq_rows
-        gl.atomic_add(dQ_ptr + row0 * D + (dq_q[:, None] * D + dq_cols[None, :]), dq,
-                      mask=dq_q[:, None] < N_QUERIES, sem="relaxed")
-
-
-DQ_SMEM_LAYOUT: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[1, 0])
-DQ_SMEM_ROWS: gl.constexpr = gl.constexpr(16)  # rows read back per chunk: few registers while S^T, dP^T run
-
-
-@gluon.jit
-def _bwd_add_dq_smem(dQ_ptr, dq_smem, q_start, row0, N_QUERIES, BM: gl.constexpr, D: gl.constexpr,
-                     DQ_VEC: gl.constexpr, num_warps: gl.constexpr):
-    """Adds one query tile's dQ, staged in shared memory, into the float32 dQ buffer: DQ_SMEM_ROWS rows at a
-    time, by coalesced scalar atomics (DQ_VEC 0 or 1) or red.global.add.v4.f32 (2)."""
-    if DQ_VEC == 2:
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [32 * 4 // D, D // 4], [num_warps, 1], [1, 0])
-    else:
-        layout: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [num_warps, 1], [1, 0])
-    rows = gl.arange(0, DQ_SMEM_ROWS, gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, gl.SliceLayout(0, layout))
-    for c in gl.static_range(BM // DQ_SMEM_ROWS):
-        dq = dq_smem.slice(c * DQ_SMEM_ROWS, DQ_SMEM_ROWS).load(layout)
-        dq_q = q_start + c * DQ_SMEM_ROWS + rows
-        ptrs = dQ_ptr + row0 * D + (dq_q[:, None] * D + cols[None, :])
-        if DQ_VEC == 2:
-            ok = ((dq_q[:, None] < N_QUERIES) & (cols[None, :] < D)).to(gl.int32)
-            _red_add_v4(ptrs, ok, dq)
-        else:
-            gl.atomic_add(ptrs, dq, mask=dq_q[:, None] < N_QUERIES, sem="relaxed")
-
-
-@gluon.jit
-def _bwd_mma(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, dQ_ptr, batch, k_start,
-             first_tile, n_tiles, N_QUERIES, N_KEYS, qk_scale, IS_CAUSAL: gl.constexpr, BM: gl.constexpr,
-             BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, DQ_VEC: gl.constexpr,
-             DQ_LATE: gl.constexpr, num_warps: gl.constexpr):
+def _bwd_mma(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, dq_desc, batch, k_start,
+             first_tile, n_tiles, N_KEYS, qk_scale, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+             D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Consumer partition: per query tile, S^T = K Q^T and dP^T = V dO^T (both in flight together), P^T, dV +=
-    P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q, and dQ = dS K (dS through shared memory), added to the
-    float32 dQ buffer with atomics."""
+    P^T dO, dS^T = P^T (dP^T - Delta), dK += dS^T Q, and dQ = dS K (dS through shared memory). dQ goes to one
+    of two shared-memory buffers; the next tile issues its TMA reduction into the float32 dQ buffer, which then
+    runs beside that tile's GEMMs (the consumers never issue an atomic)."""
     kv_bar, q_ready, do_ready, qdo_empty = bars
     st_layout: gl.constexpr = mma_layout(num_warps, BM)  # (keys x queries) tiles: S^T, dP^T
     kv_layout: gl.constexpr = mma_layout(num_warps, D)  # dK, dV
@@ -343,7 +284,6 @@ def _bwd_mma(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_
     dv = gl.zeros([BN, D], gl.float32, kv_layout)
     keys = k_start + gl.arange(0, BN, gl.SliceLayout(1, st_layout))
     arange_q = gl.arange(0, BM, gl.SliceLayout(0, st_layout))
-    row0 = batch.to(gl.int64) * N_QUERIES
     ragged_keys = k_start + BN > N_KEYS
 
     mbarrier.wait(kv_bar, 0)
@@ -357,10 +297,6 @@ def _bwd_mma(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_
         s_t = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(stage), phase)
         dp_t = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        if DQ_LATE:
-            if i > 0:  # the previous tile's dQ atomics, issued while this tile's S^T and dP^T run
-                gl.thread_barrier()  # every warp's part of that dQ is in shared memory
-                _bwd_add_dq_smem(dQ_ptr, dq_smem, q_start - BM, row0, N_QUERIES, BM, D, DQ_VEC, num_warps)
         s_t = warpgroup_mma_wait(1, deps=(s_t,))
         if (IS_CAUSAL & (q_start < k_start + BN)) | ragged_keys:
             # Keys past N_KEYS must be -inf too: exp2(0 - L) of a zero-filled key can overflow.
@@ -379,30 +315,30 @@ def _bwd_mma(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_
         ds_op = gl.convert_layout(ds_t, op_layout)
         dk = warpgroup_mma(ds_op, q, dk, is_async=True)
         ds_smem.store(ds_t)
-        # Orders the generic-proxy accesses of this iteration (dS written; L and Delta read) before the async
-        # proxy's: the dQ wgmma below, and the producer's next TMA into this stage once it is released.
+        # Orders the generic-proxy accesses of this iteration (dS and the previous tile's dQ written; L and Delta
+        # read) before the async proxy's: the dQ wgmma and TMA reduction below, and the producer's next TMA into
+        # this stage once it is released.
         fence_async_shared()
-        gl.thread_barrier()  # every warpgroup's rows of dS^T are in place before either reads all of them
+        tma.store_wait(0)  # the reduction that last read this tile's dQ buffer (two tiles back) is done
+        gl.thread_barrier()  # every warpgroup's rows of dS^T and of the previous tile's dQ are in place
+        if i > 0:  # the previous tile's dQ: the TMA unit adds it while this tile's dQ, dK, dV run
+            tma_reduce_add(dq_desc, [batch, q_start - BM, 0], dq_smem.index((i - 1) % 2))
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
         dv, p_op, dk, ds_op, dq = warpgroup_mma_wait(0, deps=(dv, p_op, dk, ds_op, dq))
         mbarrier.arrive(qdo_empty.index(stage))
-        if DQ_LATE:
-            dq_smem.store(dq)
-        else:
-            _bwd_add_dq(dQ_ptr, dq, q_start, row0, N_QUERIES, BM, D, DQ_VEC, num_warps)
-    if DQ_LATE:
-        if n_tiles > 0:  # the last tile's
-            gl.thread_barrier()
-            _bwd_add_dq_smem(dQ_ptr, dq_smem, (first_tile + n_tiles - 1) * BM, row0, N_QUERIES, BM, D, DQ_VEC,
-                             num_warps)
+        dq_smem.index(i % 2).reshape([BM, D]).store(dq)
+    if n_tiles > 0:  # the last tile's dQ
+        fence_async_shared()
+        gl.thread_barrier()
+        tma_reduce_add(dq_desc, [batch, (first_tile + n_tiles - 1) * BM, 0], dq_smem.index((n_tiles - 1) % 2))
+        tma.store_wait(0)
     return dk, dv
 
 
 @gluon.jit
-def flash_bwd_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dk_desc, dv_desc, dQ_ptr, N_QUERIES,
+def flash_bwd_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, N_QUERIES,
                      N_KEYS, qk_scale, scale, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                     D: gl.constexpr, STAGES: gl.constexpr, DQ_VEC: gl.constexpr, DQ_LATE: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     batch = gl.program_id(1)
     k_start = gl.program_id(0) * BN
     n_q_tiles = gl.cdiv(N_QUERIES, BM)
@@ -421,8 +357,7 @@ def flash_bwd_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dk_d
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BM], delta_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, BM], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [BN, BM], ds_layout)
-    # DQ_LATE: one query tile's float32 dQ, staged for the next iteration's atomics (a token buffer else)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [BM if DQ_LATE else 1, D], DQ_SMEM_LAYOUT)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BM, D], dq_desc.layout)  # two query tiles' dQ
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -435,9 +370,8 @@ def flash_bwd_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dk_d
     bars = (kv_bar, q_ready, do_ready, qdo_empty)
 
     dk, dv = gl.warp_specialize([
-        (_bwd_mma, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, dQ_ptr, batch, k_start,
-                    first_tile, n_tiles, N_QUERIES, N_KEYS, qk_scale, IS_CAUSAL, BM, BN, D, STAGES, DQ_VEC,
-                    DQ_LATE, num_warps)),
+        (_bwd_mma, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, bars, dq_desc, batch,
+                    k_start, first_tile, n_tiles, N_KEYS, qk_scale, IS_CAUSAL, BM, BN, D, STAGES, num_warps)),
         (_bwd_load, (k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, k_smem, v_smem, q_smem, do_smem,
                      lse_smem, delta_smem, bars, batch, k_start, first_tile, n_tiles, BM, STAGES)),
     ], [1], [24])

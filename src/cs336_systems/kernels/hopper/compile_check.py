@@ -91,8 +91,10 @@ def _nvidia_tool(name: str) -> str | None:
 def _desc(dtype: str, block_shape: list[int]) -> str:
     from triton.experimental.gluon import language as gl
 
-    if dtype == "fp32":
+    if dtype == "fp32":  # rows of L and Delta
         layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block_shape))
+    elif dtype == "fp32dq":  # dQ's tiles for the TMA reduction
+        layout, dtype = gl.NVMMASharedLayout.get_default_for(block_shape, gl.float32), "fp32"
     else:
         layout = gl.NVMMASharedLayout.get_default_for(
             block_shape, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
@@ -102,7 +104,7 @@ def _desc(dtype: str, block_shape: list[int]) -> str:
 
 def _signature(kernel: str, dtype: str, d: int, bm: int, bn: int) -> dict:
     names = ("IS_CAUSAL", "BM", "BN", "D", "STAGES", "num_warps")
-    names += ("PINGPONG", "CONS_REGS") if kernel == "fwd" else ("DQ_VEC", "DQ_LATE")
+    names += ("PINGPONG", "CONS_REGS") if kernel == "fwd" else ()
     constexprs = {name: "constexpr" for name in names}
     if kernel == "fwd":
         q, kv = _desc(dtype, [1, 64, d]), _desc(dtype, [1, bn, d])
@@ -110,7 +112,7 @@ def _signature(kernel: str, dtype: str, d: int, bm: int, bn: int) -> dict:
                 "N_KEYS": "i32", "qk_scale": "fp32", **constexprs}  # fmt: skip
     q, kv, rows = _desc(dtype, [1, bm, d]), _desc(dtype, [1, bn, d]), _desc("fp32", [1, bm])
     return {"k_desc": kv, "v_desc": kv, "q_desc": q, "do_desc": q, "lse_desc": rows, "delta_desc": rows,
-            "dk_desc": kv, "dv_desc": kv, "dQ_ptr": "*fp32", "N_QUERIES": "i32", "N_KEYS": "i32",
+            "dk_desc": kv, "dv_desc": kv, "dq_desc": _desc("fp32dq", [1, bm, d]), "N_QUERIES": "i32", "N_KEYS": "i32",
             "qk_scale": "fp32", "scale": "fp32", **constexprs}  # fmt: skip
 
 
@@ -130,8 +132,6 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, causal: bool,
                   "num_warps": cfg.num_warps}  # fmt: skip
     if kernel == "fwd":
         constexprs |= {"PINGPONG": cfg.pingpong, "CONS_REGS": cfg.cons_regs}
-    else:
-        constexprs |= {"DQ_VEC": cfg.dq_vec, "DQ_LATE": cfg.dq_late}
     src = GluonASTSource(fn, sig, constexprs=constexprs)
     log = io.StringIO()
     with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
@@ -148,7 +148,7 @@ def inspect(kernel: str, dtype: torch.dtype, head_dim: int, causal: bool, seq_le
     compiled, cfg, log = compile_kernel(kernel, dtype, head_dim, causal, seq_len)
     report = Report(
         kernel, _TORCH_TO_TRITON[dtype], head_dim, causal,
-        f"BM={cfg.bm} BN={cfg.bn} st={cfg.stages} w={cfg.num_warps}{' pp' if cfg.pingpong else ''}{f' dq{cfg.dq_vec}' + ' late' * cfg.dq_late if kernel == 'bwd' else ''}",
+        f"BM={cfg.bm} BN={cfg.bn} st={cfg.stages} w={cfg.num_warps}{' pp' if cfg.pingpong else ''}",
         shared_bytes=compiled.metadata.shared,
     )  # fmt: skip
     report.setmaxnreg = [

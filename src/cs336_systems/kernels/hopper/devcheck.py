@@ -1,7 +1,7 @@
 """Check and time the Hopper tier on an H100/H200 in one call:
 
     python -m cs336_systems.kernels.hopper.devcheck [--quick] [--no-timing] [--no-check] [--shapes 'b,h,N,d;...']
-        [--variants hopper,triton,sdpa_cudnn,sdpa_flash] [--configs 'fwd=bm,bn,st,pingpong/bwd=bm,bn,st,dq[,late];...']
+        [--variants hopper,triton,sdpa_cudnn,sdpa_flash] [--configs 'fwd=bm,bn,st,pingpong/bwd=bm,bn,st;...']
 
 (1) correctness against float64 attention at a few shapes, odd lengths included: max relative errors of O, L,
 dQ, dK, dV and PASS/FAIL per case; (2) medians of `triton.testing.do_bench`, bf16 causal, forward / backward /
@@ -39,7 +39,7 @@ CHECKS = [
 # (batch, heads, tokens, head dim)
 TIMINGS = [(1, 32, 32768, 128), (1, 16, 16384, 64), (4, 16, 2048, 64), (8, 32, 1024, 128)]
 VARIANTS = ["hopper", "triton", "sdpa_cudnn", "sdpa_flash"]
-# Configs to compare, each "fwd=bm,bn,stages,pingpong/bwd=bm,bn,stages,dq_vec[,dq_late]" (either part may be left out;
+# Configs to compare, each "fwd=bm,bn,stages,pingpong/bwd=bm,bn,stages" (either part may be left out;
 # through the HOPPER_FWD and HOPPER_BWD variables); empty: the launchers' own.
 CONFIGS: list[str] = []
 
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", help=f"comma-separated subset of {VARIANTS}")
     parser.add_argument(
         "--configs",
-        help="Hopper configs to check and time: 'fwd=bm,bn,stages,pingpong/bwd=bm,bn,stages,dq_vec[,dq_late];...'",
+        help="Hopper configs to check and time: 'fwd=bm,bn,stages,pingpong/bwd=bm,bn,stages;...'",
     )
     args = parser.parse_args(argv)
     if args.shapes:

@@ -24,20 +24,20 @@ Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
 - Backward, one program per (key tile of BN = 128 rows, batch element): the producer warp loads K, V once, then
   Q, dO, L log2(e) and Delta of each query tile (BM = 64) into a ring; the two consumer warpgroups (64 keys each)
   compute S^T = K Q^T and dP^T = V dO^T (in flight together), P^T, dV += P^T dO, dS^T, dK += dS^T Q by wgmma with
-  the accumulators dK, dV in registers, and dQ = dS K by a wgmma reading dS from shared memory; dQ is converted to a
-  row-major layout and added to a float32 buffer with atomics (coalesced; 4-wide at d = 64, where they are issued
-  one query tile late, through shared memory, under the next tile's S^T and dP^T) and converted (times the
-  softmax scale) to the input dtype at the end. A small
-  Gluon kernel first writes L log2(e) and Delta = rowsum(O * dO) into padded rows (TMA needs 16-byte aligned
-  rows; padded queries get L = +inf, so their P is 0 without a mask) and zeroes the dQ buffer.
+  the accumulators dK, dV in registers, and dQ = dS K by a wgmma reading dS from shared memory. Each query
+  tile's dQ goes from registers to one of two shared-memory buffers, and the next tile issues a TMA reduce-add
+  of it into a float32 buffer (FA3's reduction; Gluon 3.6 has the builder's op, wrapped here as
+  `tma_reduce_add`), so the TMA unit adds dQ while the tensor cores run the next tile; the float32 buffer is
+  converted (times the softmax scale) to the input dtype at the end. A small Gluon kernel first writes
+  L log2(e) and Delta = rowsum(O * dO) into padded rows (TMA needs 16-byte aligned rows; padded queries get
+  L = +inf, so their P is 0 without a mask) and zeroes the dQ buffer.
 - Launches: after a shape's first, each kernel is launched from `flash_triton.CachedLaunch` (the compiled kernel's
   own launcher, no JIT dispatch); only the TMA descriptors are built per call.
 - Descriptors are 3-D (batch, seq, d) with (1, tile, d) blocks: a tile never reads the next batch element's rows
   (TMA zero-fills rows past seq) and TMA stores clip them.
 
-Not (yet) of FA3: FP8, persistent tile scheduling, TMA reduce-add for dQ (no Gluon API for it in 3.6; the
-consumers use atomics: coalesced scalar ones at d = 128, `red.global.add.v4.f32` by inline PTX at d = 64), a
-separate dQ-writer warp, separate consumer partitions in the backward (its two warpgroups share dS for dQ).
+Not (yet) of FA3: FP8, persistent tile scheduling, a separate dQ-writer warp (the consumers issue the TMA
+reduction themselves), separate consumer partitions in the backward (its two warpgroups share dS for dQ).
 """
 
 from __future__ import annotations
@@ -100,9 +100,6 @@ class Config:
     maxnreg: int = MAXNREG
     pingpong: bool = False
     cons_regs: int = 240
-    dq_vec: int = 0  # backward dQ atomics: 0 from the wgmma layout, 1 coalesced rows, 2 red.v4.f32
-    # backward: each query tile's dQ waits in shared memory; its atomics issue under the next tile's S^T, dP^T
-    dq_late: bool = False
 
 
 def _env_config(name: str) -> Config | None:
@@ -134,26 +131,21 @@ def forward_config(head_dim: int, seq_len: int, is_causal: bool) -> Config:
 
 
 def _env_bwd_config() -> Config | None:
-    """A backward config from the environment (`HOPPER_BWD=bm,bn,stages,dq_vec[,dq_late]`): for timing
-    variants."""
+    """A backward config from the environment (`HOPPER_BWD=bm,bn,stages`): for timing variants."""
     value = os.environ.get("HOPPER_BWD")
     if not value:
         return None
-    bm, bn, stages, dq_vec, *late = (int(x) for x in value.split(","))
-    return Config(bm=bm, bn=bn, stages=stages, dq_vec=dq_vec, dq_late=bool(late and late[0]))
+    bm, bn, stages = (int(x) for x in value.split(","))
+    return Config(bm=bm, bn=bn, stages=stages)
 
 
 def backward_config(head_dim: int, seq_len: int, is_causal: bool) -> Config:
     """128 keys per program (64 per consumer warpgroup), query tiles of 64: dK and dV (2 x 64 registers per
-    thread at d = 128) plus S^T, dP^T and dQ fit 240 registers without spills. dQ's atomics: coalesced scalar
-    adds at d = 128 (the red.v4 variant's layout conversion spills there), red.global.add.v4.f32 at d = 64
-    (measured on an H200: FINDINGS.md). At d = 64 the atomics are issued one query tile late, under the next
-    tile's S^T and dP^T (2-3 % faster on an H100); at d = 128 that measured 6-7 % slower (FINDINGS.md)."""
+    thread at d = 128) plus S^T, dP^T and dQ fit 240 registers without spills; shared memory holds K, V, two
+    stages of Q and dO, dS and two float32 dQ tiles (209 KiB at d = 128)."""
     if (cfg := _env_bwd_config()) is not None:
         return cfg
-    if head_dim <= 64:
-        return Config(bm=64, bn=128, stages=2, dq_vec=2, dq_late=True)
-    return Config(bm=64, bn=128, stages=2, dq_vec=1)
+    return Config(bm=64, bn=128, stages=2)
 
 
 @functools.cache
@@ -181,9 +173,10 @@ def clear_launch_cache() -> None:
 def _smem_layout(dtype: torch.dtype, block_shape: tuple[int, ...]):
     from triton.experimental.gluon import language as gl
 
-    if dtype == torch.float32:  # the rows of L and Delta: not an MMA operand, no swizzle
-        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block_shape))
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    if dtype == torch.float32 and len(block_shape) == 2:  # the rows of L and Delta: 1-D per tile, no swizzle
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    # Q, K, V, dO tiles (MMA operands) and dQ's float32 tiles (written from registers, read by TMA): swizzled
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype)
 
 
@@ -250,7 +243,7 @@ def backward(
     lse: torch.Tensor,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L; dQ through float32 atomics."""
+    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L; dQ through a float32 buffer."""
     do = do.contiguous()
     _check(q, k, v, o, do)
     lse = lse.contiguous()
@@ -272,11 +265,12 @@ def backward(
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     scale = 1.0 / math.sqrt(d)
     inputs = (k, (1, cfg.bn, d)), (v, (1, cfg.bn, d)), (q, (1, cfg.bm, d)), (do, (1, cfg.bm, d))
-    rows = (lse2, (1, cfg.bm)), (delta, (1, cfg.bm)), (dk, (1, cfg.bn, d)), (dv, (1, cfg.bn, d))
+    outputs = (lse2, (1, cfg.bm)), (delta, (1, cfg.bm)), (dk, (1, cfg.bn, d)), (dv, (1, cfg.bn, d))
+    outputs += ((dq_accum, (1, cfg.bm, d)),)  # dQ's tiles are added to it by TMA reductions
     _launch("flash_bwd_kernel")(
         key,
         (math.ceil(n_keys / cfg.bn), batch),
-        (*(_descriptor(t, block) for t, block in inputs + rows), dq_accum),
+        tuple(_descriptor(t, block) for t, block in inputs + outputs),
         lambda: {
             "N_QUERIES": n_queries,
             "N_KEYS": n_keys,
@@ -287,8 +281,6 @@ def backward(
             "BN": cfg.bn,
             "D": d,
             "STAGES": cfg.stages,
-            "DQ_VEC": cfg.dq_vec,
-            "DQ_LATE": cfg.dq_late,
             "num_warps": cfg.num_warps,
             "maxnreg": cfg.maxnreg,
         },
