@@ -345,7 +345,7 @@ def profile_findings(ok: pd.DataFrame) -> str:
                 units.loc[("cuDNN", "backward"), "ops"] / units.loc[("cuDNN", "backward"), "ms"]
             )
             design = (
-                "its dQ added by TMA reductions: 5 matmuls of the N² d kind, as cuDNN's"
+                "one pass, dQ accumulated across key tiles: 5 matmuls of the N² d kind, as cuDNN's"
                 if ours == "ours, Hopper tier"
                 else "our atomic-free dQ pass recomputes Q Kᵀ and dO Vᵀ: 7 matmuls of the N² d kind against 5"
             )
