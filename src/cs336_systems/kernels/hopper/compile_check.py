@@ -27,6 +27,7 @@ import torch
 from cs336_systems.kernels.hopper.flash_attention import (
     DTYPES,
     HEAD_DIMS,
+    _smem_layout,
     backward_config,
     forward_config,
 )
@@ -88,21 +89,14 @@ def _nvidia_tool(name: str) -> str | None:
     return str(path) if path.exists() else shutil.which(name)
 
 
-def _desc(dtype: str, block_shape: list[int]) -> str:
-    from triton.experimental.gluon import language as gl
-
-    if dtype == "fp32":  # rows of L and Delta
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block_shape))
-    elif dtype == "fp32dq":  # dQ's tiles for the TMA reduction
-        layout, dtype = gl.NVMMASharedLayout.get_default_for(block_shape, gl.float32), "fp32"
-    else:
-        layout = gl.NVMMASharedLayout.get_default_for(
-            block_shape, {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
-        )
-    return f"tensordesc<{dtype}[{','.join(map(str, block_shape))}],{layout!r}>"
+def _desc(dtype: torch.dtype, block_shape: list[int]) -> str:
+    """The signature type of a TMA descriptor with the launcher's own shared-memory layout."""
+    layout = _smem_layout(dtype, tuple(block_shape))
+    name = {**_TORCH_TO_TRITON, torch.float32: "fp32"}[dtype]
+    return f"tensordesc<{name}[{','.join(map(str, block_shape))}],{layout!r}>"
 
 
-def _signature(kernel: str, dtype: str, d: int, bm: int, bn: int) -> dict:
+def _signature(kernel: str, dtype: torch.dtype, d: int, bm: int, bn: int) -> dict:
     names = ("IS_CAUSAL", "BM", "BN", "D", "STAGES", "num_warps")
     names += ("PINGPONG", "CONS_REGS") if kernel == "fwd" else ()
     constexprs = {name: "constexpr" for name in names}
@@ -110,9 +104,9 @@ def _signature(kernel: str, dtype: str, d: int, bm: int, bn: int) -> dict:
         q, kv = _desc(dtype, [1, 64, d]), _desc(dtype, [1, bn, d])
         return {"q_desc": q, "k_desc": kv, "v_desc": kv, "o_desc": q, "L_ptr": "*fp32", "N_QUERIES": "i32",
                 "N_KEYS": "i32", "qk_scale": "fp32", **constexprs}  # fmt: skip
-    q, kv, rows = _desc(dtype, [1, bm, d]), _desc(dtype, [1, bn, d]), _desc("fp32", [1, bm])
+    q, kv, rows = _desc(dtype, [1, bm, d]), _desc(dtype, [1, bn, d]), _desc(torch.float32, [1, bm])
     return {"k_desc": kv, "v_desc": kv, "q_desc": q, "do_desc": q, "lse_desc": rows, "delta_desc": rows,
-            "dk_desc": kv, "dv_desc": kv, "dq_desc": _desc("fp32dq", [1, bm, d]), "N_QUERIES": "i32", "N_KEYS": "i32",
+            "dk_desc": kv, "dv_desc": kv, "dq_desc": _desc(torch.float32, [1, bm, d]), "N_QUERIES": "i32", "N_KEYS": "i32",
             "qk_scale": "fp32", "scale": "fp32", **constexprs}  # fmt: skip
 
 
@@ -127,7 +121,7 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, causal: bool,
 
     cfg = (forward_config if kernel == "fwd" else backward_config)(head_dim, seq_len, causal)
     fn = _kernels.flash_fwd_kernel if kernel == "fwd" else _kernels.flash_bwd_kernel
-    sig = _signature(kernel, _TORCH_TO_TRITON[dtype], head_dim, cfg.bm, cfg.bn)
+    sig = _signature(kernel, dtype, head_dim, cfg.bm, cfg.bn)
     constexprs = {"IS_CAUSAL": causal, "BM": cfg.bm, "BN": cfg.bn, "D": head_dim, "STAGES": cfg.stages,
                   "num_warps": cfg.num_warps}  # fmt: skip
     if kernel == "fwd":
