@@ -264,13 +264,14 @@ def backward(
     )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     scale = 1.0 / math.sqrt(d)
-    inputs = (k, (1, cfg.bn, d)), (v, (1, cfg.bn, d)), (q, (1, cfg.bm, d)), (do, (1, cfg.bm, d))
-    outputs = (lse2, (1, cfg.bm)), (delta, (1, cfg.bm)), (dk, (1, cfg.bn, d)), (dv, (1, cfg.bn, d))
-    outputs += ((dq_accum, (1, cfg.bm, d)),)  # dQ's tiles are added to it by TMA reductions
+    # the kernel's TMA descriptors, in its argument order (dQ's tiles are added to dq_accum by TMA reductions)
+    tiles = ((k, (1, cfg.bn, d)), (v, (1, cfg.bn, d)), (q, (1, cfg.bm, d)), (do, (1, cfg.bm, d)),
+             (lse2, (1, cfg.bm)), (delta, (1, cfg.bm)), (dk, (1, cfg.bn, d)), (dv, (1, cfg.bn, d)),
+             (dq_accum, (1, cfg.bm, d)))  # fmt: skip
     _launch("flash_bwd_kernel")(
         key,
         (math.ceil(n_keys / cfg.bn), batch),
-        tuple(_descriptor(t, block) for t, block in inputs + outputs),
+        tuple(_descriptor(t, block) for t, block in tiles),
         lambda: {
             "N_QUERIES": n_queries,
             "N_KEYS": n_keys,
