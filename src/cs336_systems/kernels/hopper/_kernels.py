@@ -219,7 +219,12 @@ def flash_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L_ptr, N_QUERIES, N_KEYS, q
 
     args = (q_smem, k_smem, v_smem, bars, o_desc, L_ptr, batch, q_start, n_tiles, n_unmasked, N_QUERIES, N_KEYS,
             qk_scale)
-    if N_CONS == 2:
+    if N_CONS == 1:
+        gl.warp_specialize([
+            (_fwd_consumer, (0, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
+            (_fwd_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, q_start, n_tiles, BN, STAGES, N_CONS)),
+        ], [1], [24])
+    elif N_CONS == 2:
         gl.warp_specialize([
             (_fwd_consumer, (0, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
             (_fwd_consumer, (1, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),

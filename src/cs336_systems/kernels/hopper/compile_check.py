@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import re
 import shutil
 import subprocess
@@ -33,6 +34,7 @@ from cs336_systems.kernels.hopper.flash_attention import (
 )
 
 _TORCH_TO_TRITON = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+SEQ_LENS = (1024, 32768)  # a short and a long sequence: the configs the launchers pick for each
 
 
 @dataclass
@@ -172,19 +174,6 @@ def inspect(kernel: str, dtype: torch.dtype, head_dim: int, causal: bool, seq_le
     return report
 
 
-def compile_for_sm90(configs=None) -> list[Report]:
-    """Reports for (kernel, dtype, head dim, causal) in `configs` (all supported combinations by default)."""
-    if configs is None:
-        configs = [
-            (kernel, dtype, d, causal)
-            for kernel in ("fwd", "bwd")
-            for dtype in DTYPES
-            for d in HEAD_DIMS
-            for causal in (True, False)
-        ]
-    return [inspect(*c) for c in configs]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -197,7 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     dtypes = DTYPES if args.all else (torch.bfloat16,)
     kernels = (args.kernel,) if args.kernel else ("fwd", "bwd")
-    configs = [(k, t, d, c) for k in kernels for t in dtypes for d in HEAD_DIMS for c in (True, False)]
+    # the launchers choose by sequence length too: each distinct config once
+    configs, seen = [], set()
+    for k, t, d, c, n in itertools.product(kernels, dtypes, HEAD_DIMS, (True, False), SEQ_LENS):
+        cfg = (forward_config if k == "fwd" else backward_config)(d, n, c)
+        if (k, t, d, c, cfg) not in seen:
+            seen.add((k, t, d, c, cfg))
+            configs.append((k, t, d, c, n))
     bad = 0
     for config in configs:
         try:

@@ -20,11 +20,13 @@ Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
   and at d = 128 the two take turns issuing their GEMMs (ping-pong through two 'turn' mbarriers), so that one's
   softmax runs under the other's GEMMs. Softmax in base 2 (exp2 of s * scale * log2(e) - m); only diagonal (and
   ragged last) tiles build a mask, tiles above the diagonal are never loaded. Each consumer writes its O rows
-  through shared memory by a TMA store, and its L rows.
-- Backward, one program per (key tile of BN = 128 rows, batch element): the producer warp loads K, V once, then
-  Q, dO, L log2(e) and Delta of each query tile (BM = 64) into a ring; the two consumer warpgroups (64 keys each)
-  compute S^T = K Q^T and dP^T = V dO^T (in flight together), P^T, dV += P^T dO, dS^T, dK += dS^T Q by wgmma with
-  the accumulators dK, dV in registers, and dQ = dS K by a wgmma reading dS from shared memory. Each query
+  through shared memory by a TMA store, and its L rows. At d = 64 up to 4,096 tokens a program has one
+  consumer (BM = 64) and two programs share an SM.
+- Backward, one program per (key tile of BN = 128 rows at d = 128, 64 at d = 64, batch element): the producer
+  warp loads K, V once, then Q, dO, L log2(e) and Delta of each query tile (BM = 64) into a ring; the consumer
+  warpgroups (64 keys each: two at d = 128; one at d = 64, two programs per SM) compute S^T = K Q^T and
+  dP^T = V dO^T (in flight together), P^T, dV += P^T dO, dS^T, dK += dS^T Q by wgmma with the accumulators dK,
+  dV in registers, and dQ = dS K by a wgmma reading dS from shared memory. Each query
   tile's dQ goes from registers to one of two shared-memory buffers, and the next tile issues a TMA reduce-add
   of it into a float32 buffer (FA3's reduction; Gluon 3.6 has the builder's op, wrapped here as
   `tma_reduce_add`), so the TMA unit adds dQ while the tensor cores run the next tile; the float32 buffer is
@@ -51,13 +53,7 @@ import torch
 
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
-# Backward warps: 8 consumer warps (two warpgroups) + 1 producer warp, rounded up to 12 (registers are handed out
-# per warpgroup). maxnreg is what the launch reserves per thread: 12 * 32 * 168 <= 65,536; the producer
-# warpgroup drops to 24 registers and the consumers rise to 240 (setmaxnreg), FA3's split. The forward launches
-# 4 warps (consumer 0) plus its workers (consumer 1, producer): 12 warps too.
-NUM_WARPS = 8
-MAXNREG = 168
-PRODUCER_REGS = 24  # the worker partition's registers (in _kernels: `gl.warp_specialize(..., [1], [24])`)
+PRODUCER_REGS = 24  # the producer warp's registers (in _kernels: `gl.warp_specialize(..., [24])`)
 _PREPROCESS_ROWS = 64
 _CONVERT_BLOCK = 1024
 
@@ -90,16 +86,28 @@ def _is_sm90(device: torch.device) -> bool:  # cached: every launch checks its i
 
 @dataclass(frozen=True)
 class Config:
-    """One kernel's tiles: BM query rows, BN key rows, a STAGES-deep ring, warps, registers per thread; for the
-    forward also whether the consumer warpgroups ping-pong and the registers each consumer asks for."""
+    """One kernel's tiles: BM query rows, BN key rows, a STAGES-deep ring, the default partition's warps and the
+    registers per thread the launch reserves; for the forward also whether the consumer warpgroups ping-pong and
+    the registers each consumer asks for."""
 
     bm: int
     bn: int
     stages: int
-    num_warps: int = NUM_WARPS
-    maxnreg: int = MAXNREG
+    num_warps: int
+    maxnreg: int
     pingpong: bool = False
     cons_regs: int = 240
+
+
+def _register_split(n_cons: int) -> tuple[int, int]:
+    """(maxnreg, consumer registers) for `n_cons` consumer warpgroups plus the producer warp, whose warpgroup
+    counts whole (registers are handed out per warpgroup): the launch reserves maxnreg per thread, then the
+    producer drops to 24 registers (setmaxnreg) and the consumers rise to what is left, at most 240 (FA3's
+    split). One consumer leaves registers for two programs per SM: 8 warps x 128."""
+    registers = 65536 // (2 if n_cons == 1 else 1)
+    maxnreg = registers // (128 * (n_cons + 1)) // 8 * 8
+    cons_regs = min(240, (registers - 128 * PRODUCER_REGS) // (128 * n_cons) // 8 * 8)
+    return maxnreg, cons_regs
 
 
 def _env_config(name: str) -> Config | None:
@@ -112,22 +120,30 @@ def _env_config(name: str) -> Config | None:
 
 
 def _fwd_config(bm: int, bn: int, stages: int, pingpong: bool) -> Config:
-    # One consumer warpgroup per 64 query rows, each its own partition (the default one: 4 warps), plus the
-    # producer warp: 9 warps (12 registers-wise) for two consumers, 13 (16) for three.
+    # One consumer warpgroup per 64 query rows, each its own partition (the default one: 4 warps).
     n_cons = bm // 64
-    total_warps = 12 if n_cons == 2 else 16
-    maxnreg = (65536 // (32 * total_warps)) // 8 * 8
-    cons_regs = min(240, (65536 - 128 * 24) // (128 * n_cons) // 8 * 8)
-    return Config(bm=bm, bn=bn, stages=stages, num_warps=4, maxnreg=maxnreg, pingpong=pingpong,
+    maxnreg, cons_regs = _register_split(n_cons)
+    return Config(bm=bm, bn=bn, stages=stages, num_warps=4, maxnreg=maxnreg, pingpong=pingpong and n_cons > 1,
                   cons_regs=cons_regs)  # fmt: skip
 
 
 def forward_config(head_dim: int, seq_len: int, is_causal: bool) -> Config:
-    """Two consumer warpgroups of 64 query rows (BM = 128), 128 keys per tile; a third K/V stage where shared
-    memory allows. Checked spill-free for sm_90 by `compile_check`."""
+    """Two consumer warpgroups of 64 query rows (BM = 128), 128 keys per tile, two K/V stages, ping-pong at
+    d = 128; at d = 64 up to 4,096 tokens one consumer (BM = 64) and two programs per SM, which keeps more SMs
+    busy on short sequences (longer ones lose by loading each K/V tile for half as many rows). Measured:
+    FINDINGS.md; checked spill-free for sm_90 by `compile_check`."""
     if (cfg := _env_config("HOPPER_FWD")) is not None:
         return cfg
-    return _fwd_config(128, 128, 2, pingpong=head_dim > 64)  # measured: FINDINGS.md
+    if head_dim == 64 and seq_len <= 4096:
+        return _fwd_config(64, 128, 2, pingpong=False)
+    return _fwd_config(128, 128, 2, pingpong=head_dim > 64)
+
+
+def _bwd_config(bm: int, bn: int, stages: int) -> Config:
+    # One consumer warpgroup per 64 keys, all in the default partition (they share dS for dQ = dS K).
+    n_cons = bn // 64
+    maxnreg, _ = _register_split(n_cons)  # the consumers' setmaxnreg: Gluon's, from what the producer leaves
+    return Config(bm=bm, bn=bn, stages=stages, num_warps=4 * n_cons, maxnreg=maxnreg)
 
 
 def _env_bwd_config() -> Config | None:
@@ -136,16 +152,17 @@ def _env_bwd_config() -> Config | None:
     if not value:
         return None
     bm, bn, stages = (int(x) for x in value.split(","))
-    return Config(bm=bm, bn=bn, stages=stages)
+    return _bwd_config(bm, bn, stages)
 
 
 def backward_config(head_dim: int, seq_len: int, is_causal: bool) -> Config:
-    """128 keys per program (64 per consumer warpgroup), query tiles of 64: dK and dV (2 x 64 registers per
-    thread at d = 128) plus S^T, dP^T and dQ fit 240 registers without spills; shared memory holds K, V, two
-    stages of Q and dO, dS and two float32 dQ tiles (209 KiB at d = 128)."""
+    """Query tiles of 64. d = 128: 128 keys per program (64 per consumer warpgroup); dK and dV (2 x 64 registers
+    per thread) plus S^T, dP^T and dQ fit 240 registers without spills; shared memory holds K, V, two stages of
+    Q and dO, dS and two float32 dQ tiles (209 KiB). d = 64: 64 keys per program (one consumer, 232 registers),
+    three Q/dO stages, two programs per SM (106 KiB each). Measured: FINDINGS.md."""
     if (cfg := _env_bwd_config()) is not None:
         return cfg
-    return Config(bm=64, bn=128, stages=2)
+    return _bwd_config(64, 64, 3) if head_dim == 64 else _bwd_config(64, 128, 2)
 
 
 @functools.cache
