@@ -8,6 +8,12 @@ import subprocess
 import sys
 
 
+def triton_imported_compiled() -> bool:
+    """Whether an earlier test module imported triton without the interpreter: its choice is fixed for this
+    process, so a module that needs the interpreter must run its kernel tests in a fresh process."""
+    return "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def assert_passes_in_fresh_process(test_file: str) -> None:
     """pytest over `test_file` (all but its fresh-process test) in a new process with TRITON_INTERPRET=1."""
     result = subprocess.run(

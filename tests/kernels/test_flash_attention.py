@@ -7,9 +7,10 @@ this process; they are then skipped here and run by `test_kernel_tests_in_fresh_
 """
 
 import os
-import sys
 
-TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+from ..fresh_process import assert_passes_in_fresh_process, triton_imported_compiled
+
+TRITON_PREIMPORTED = triton_imported_compiled()
 os.environ["TRITON_INTERPRET"] = "1"
 
 import json  # noqa: E402
@@ -30,7 +31,6 @@ from cs336_systems.kernels.flash_attention import (  # noqa: E402
 )
 
 from ..attention_reference import reference, rel_err  # noqa: E402
-from ..fresh_process import assert_passes_in_fresh_process  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"

@@ -8,13 +8,13 @@ compiled on the GPU at the sizes below, with fp16 and longer sequences too.
 """
 
 import os
-import sys
 
 import torch
 
+from ..fresh_process import triton_imported_compiled
+
 ON_GPU = torch.cuda.is_available()
-# triton imported already without the interpreter (by an earlier test module): its kernels cannot run here
-TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+TRITON_PREIMPORTED = triton_imported_compiled()
 if not ON_GPU:
     # The interpreter must be chosen before triton is imported (see test_flash_attention.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -10,7 +10,9 @@ import os
 import sys
 import types
 
-TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+from ..fresh_process import assert_passes_in_fresh_process, triton_imported_compiled
+
+TRITON_PREIMPORTED = triton_imported_compiled()
 os.environ["TRITON_INTERPRET"] = "1"
 
 
@@ -21,8 +23,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from cs336_systems.kernels import flash_attention, flash_tiers, flash_triton  # noqa: E402
 from cs336_systems.kernels.flash_attention import FlashAttentionTriton  # noqa: E402
-
-from ..fresh_process import assert_passes_in_fresh_process  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"

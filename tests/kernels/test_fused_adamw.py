@@ -2,9 +2,10 @@
 anything imports triton; a fresh process where it came too late, as in tests/kernels/test_fused_cross_entropy.py)."""
 
 import os
-import sys
 
-TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+from ..fresh_process import assert_passes_in_fresh_process, triton_imported_compiled
+
+TRITON_PREIMPORTED = triton_imported_compiled()
 os.environ["TRITON_INTERPRET"] = "1"
 
 
@@ -12,8 +13,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from cs336_systems.kernels.fused_adamw import FusedAdamW  # noqa: E402
-
-from ..fresh_process import assert_passes_in_fresh_process  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"

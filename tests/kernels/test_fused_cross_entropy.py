@@ -2,9 +2,10 @@
 interpreter (set before anything imports triton; see tests/kernels/test_flash_attention.py for the fresh-process rerun)."""
 
 import os
-import sys
 
-TRITON_PREIMPORTED = "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+from ..fresh_process import assert_passes_in_fresh_process, triton_imported_compiled
+
+TRITON_PREIMPORTED = triton_imported_compiled()
 os.environ["TRITON_INTERPRET"] = "1"
 
 
@@ -13,8 +14,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from cs336_systems.kernels.fused_cross_entropy import cross_entropy_rows_, fused_linear_cross_entropy  # noqa: E402
-
-from ..fresh_process import assert_passes_in_fresh_process  # noqa: E402
 
 launches_kernels = pytest.mark.skipif(
     TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1: run in a fresh process instead"
