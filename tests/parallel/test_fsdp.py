@@ -32,10 +32,10 @@ CASES_AT = {
     1: ["equality", "frozen"],  # 1: nothing is communicated (fsdp.py's own path)
     2: [
         *("equality", "frozen", "compute_dtype", "prefetch", "transformer", "tied", "anomaly"),
-        *("units", "bf16", "meta", "protocol", "protocol_low_precision", "exact_transformer"),
+        *("units", "partly_used", "bf16", "meta", "protocol", "protocol_low_precision", "exact_transformer"),
     ],
     3: [
-        *("equality", "frozen", "units", "bf16", "meta", "protocol", "protocol_low_precision"),
+        *("equality", "frozen", "units", "partly_used", "bf16", "meta", "protocol", "protocol_low_precision"),
         *("exact_transformer", "torch_nn_bf16", "exact_refusals"),
     ],
     4: ["equality", "frozen", "protocol", "protocol_low_precision", "exact_transformer"],
@@ -101,8 +101,8 @@ def test_compute_dtype_prefetch_rule_our_transformer_tied_weights_and_anomaly_mo
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_block_units_and_bf16_weights(launched, world_size: int):
-    assert_cases_pass(launched(world_size), world_size, "units", "bf16")
+def test_block_units_a_partly_used_unit_and_bf16_weights(launched, world_size: int):
+    assert_cases_pass(launched(world_size), world_size, "units", "partly_used", "bf16")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

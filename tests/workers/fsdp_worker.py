@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cs336_systems import adapters
+from cs336_systems.parallel import fsdp as fsdp_module
 from cs336_systems.parallel.distributed import distributed
 from cs336_systems.parallel.fsdp import FullyShardedDataParallel
 
@@ -275,6 +276,30 @@ def recorded_step(fsdp: FullyShardedDataParallel, ids, targets) -> tuple[list, l
     return forward, fsdp.events[len(forward) :]
 
 
+def check_one_group_per_unit(fsdp: FullyShardedDataParallel, ids, targets) -> None:
+    """Each unit's weights are all-gathered as one group in each pass and reduce-scattered as one group."""
+    groups: dict[str, list[int]] = {"all_gather_coalesced": [], "reduce_scatter_coalesced": []}
+    originals = {name: getattr(fsdp_module, name) for name in groups}
+
+    def counted(name):
+        def call(outputs, *args):
+            groups[name].append(len(outputs))
+            return originals[name](outputs, *args)
+
+        return call
+
+    for name in groups:
+        setattr(fsdp_module, name, counted(name))
+    try:
+        recorded_step(fsdp, ids, targets)
+    finally:
+        for name, original in originals.items():
+            setattr(fsdp_module, name, original)
+    per_unit = sorted(len(indices) for _, indices in fsdp.units)
+    assert sorted(groups["all_gather_coalesced"]) == sorted(per_unit * 2), groups
+    assert sorted(groups["reduce_scatter_coalesced"]) == per_unit, groups
+
+
 def prefetch_rule() -> None:
     torch.manual_seed(0)
     fsdp = FullyShardedDataParallel(ToyLM())
@@ -339,12 +364,45 @@ def block_units(exact: bool = False) -> None:
             else:
                 assert_fp32_equal(full[name], p.detach(), f"{label} step {step}: {name}")
     check_prefetch_rule(fsdp, forward, backward)
+    if world > 1 and not exact:  # exact mode reduces nothing
+        check_one_group_per_unit(fsdp, mine[:, :-1], mine[:, 1:])
     try:
         FullyShardedDataParallel(copy.deepcopy(reference), units=[model.blocks[0]])
     except ValueError as error:
         assert "units[0]" in str(error), error
     else:
         raise AssertionError("a unit outside the wrapped module was accepted")
+
+
+class PartlyUsed(nn.Module):
+    """A unit one of whose layers the forward never calls, so its weight gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.spare = Linear(D, D), Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def partly_used_unit() -> None:
+    """A unit whose backward never produces all its weight gradients: those it produced are still reduced (at the
+    synchronisation), and match single-process training's; the unused weight gets none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Embedding(VOCAB, D), PartlyUsed(), Linear(D, VOCAB))
+    reference = copy.deepcopy(model)
+    fsdp = FullyShardedDataParallel(model, units=[model[1]])
+    (ids, targets), (my_ids, my_targets) = next(batches(1, dist.get_world_size()))
+    loss_fn(fsdp(my_ids), my_targets).backward()
+    fsdp.finish_gradient_synchronization()
+    loss_fn(reference(ids), targets).backward()
+    assert model[1].spare.weight.grad is None, "the unused weight got a gradient"
+    for weight in fsdp.weights:
+        if weight.name == "1.spare.weight":
+            continue
+        expected = reference.get_parameter(weight.name).grad.reshape(-1)
+        expected = torch.nn.functional.pad(expected, (0, weight.shard_numel * weight.world - weight.numel))
+        assert_fp32_equal(weight.shard.grad, weight.own_chunk(expected), f"partly used unit: {weight.name}")
 
 
 def meta_device() -> None:
@@ -645,6 +703,7 @@ CASES = {
     "compute_dtype": lambda: (compute_dtype(torch.float16, 1e-4), compute_dtype(torch.bfloat16, 1e-3)),
     "prefetch": prefetch_rule,
     "units": block_units,
+    "partly_used": partly_used_unit,
     "bf16": bf16_weights,
     "meta": meta_device,
     "transformer": our_transformer,

@@ -36,6 +36,26 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def all_gather_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor]):
+    """all_gather_flat(output, input) for each pair, started together as one group (on NCCL one ncclGroup: one
+    kernel launch for all of them), asynchronously; wait() on what it returns. c10d's coalescing manager is
+    private API, but it is the one way torch offers to group flat collectives without copying them into one
+    buffer first."""
+    with dist.distributed_c10d._coalescing_manager(async_ops=True) as group:
+        for output, input_ in zip(outputs, inputs, strict=True):
+            all_gather_flat(output, input_, async_op=True)
+    return group
+
+
+def reduce_scatter_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: dist.ReduceOp):
+    """reduce_scatter_flat(output, input, op) for each pair, started together as one group, asynchronously
+    (see all_gather_coalesced)."""
+    with dist.distributed_c10d._coalescing_manager(async_ops=True) as group:
+        for output, input_ in zip(outputs, inputs, strict=True):
+            reduce_scatter_flat(output, input_, op=op, async_op=True)
+    return group
+
+
 @dataclass(frozen=True)
 class DistContext:
     """Where this process sits in the job and which device it computes on."""

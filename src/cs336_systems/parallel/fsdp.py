@@ -25,14 +25,16 @@ which would break its graph), so the compiled blocks of the leaderboard's train 
 
 **Forward.** A unit's full weights exist only around its use: all-gathered (in `compute_dtype`: each rank
 casts its shard into its own chunk of the gathered buffer, and the all-gather runs in place) into buffers whose
-storage is freed after the unit's forward. The gathers of the unit at position i (in the order the units ran in
+storage is freed after the unit's forward. A unit's collectives are started as one group (on NCCL one kernel
+per unit and pass, as FSDP2's one collective per unit, without its copies into and out of one flat buffer). The gathers of the unit at position i (in the order the units ran in
 the first forward) start once the unit at i - prefetch_distance has finished its forward, asynchronously, and
 are waited for right before the unit runs.
 
 **Backward.** The mirror image: a unit's weights are gathered again into the same storage (which autograd
 saved) once the unit prefetch_distance after it has finished its backward (all its weight gradients are ready),
-and waited for before the unit's own backward (a hook on its output's gradient). Each weight's gradient, once
-accumulated, is reduce-scattered (in the shard's dtype) to its owner asynchronously and its storage freed again;
+and waited for before the unit's own backward (a hook on its output's gradient). Each weight's full storage is
+freed once its gradient has accumulated; once the unit's last gradient is there, the unit's gradients are
+reduce-scattered (in the shards' dtype) to their owners asynchronously;
 `finish_gradient_synchronization` waits for the outstanding reductions and writes each shard's `.grad` (the
 average over ranks), so any torch.optim optimizer steps only its shard. The replicated parameters' gradients,
 small, are averaged there in one all-reduce.
@@ -86,7 +88,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cs336_systems.parallel.distributed import CommunicationTimer, all_gather_flat, reduce_scatter_flat
+from cs336_systems.parallel.distributed import (
+    CommunicationTimer,
+    all_gather_coalesced,
+    all_gather_flat,
+    reduce_scatter_coalesced,
+)
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 # what last_communication counts, per step: bytes this rank received (all-gathers) or sent (reductions); exact
@@ -165,7 +172,6 @@ class _ShardedWeight:
         self.full.requires_grad_(True)
         self.local = self.own_chunk(self.buffer)  # this rank's chunk
         self.free()
-        self.gather_work: dist.Work | None = None
 
     @torch.no_grad()
     def set_full(self, value: torch.Tensor) -> None:
@@ -183,15 +189,13 @@ class _ShardedWeight:
     def gathered(self) -> bool:
         return self.buffer.untyped_storage().nbytes() > 0
 
-    def start_gather(self) -> bool:
-        """Refill the full weight from every rank's shard (cast to the compute dtype), asynchronously; False if
-        it is gathered already."""
+    def prepare_gather(self) -> bool:
+        """Give the full weight its storage back and cast this rank's shard into its own chunk of it, ready for
+        the all-gather (the wrapper starts one per unit); False if it is gathered already."""
         if self.gathered:
             return False
         self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
         self.local.copy_(self.shard.detach())
-        if self.world > 1:
-            self.gather_work = all_gather_flat(self.buffer, self.local, async_op=True)
         return True
 
     def free(self) -> None:
@@ -341,7 +345,12 @@ class FullyShardedDataParallel(nn.Module):
         self._grads_pending = [0] * len(
             self.units
         )  # per unit, weight gradients its backward has yet to produce
-        self._reductions: list[tuple[dist.Work | None, torch.Tensor, nn.Parameter]] = []
+        # per unit, its all-gathers in flight, and the weight gradients its backward has produced and not yet
+        # reduced (a unit's gradients are reduce-scattered together once the last is there)
+        self._gathers: list[list] = [[] for _ in self.units]
+        self._unit_grads: list[list[tuple[_ShardedWeight, torch.Tensor]]] = [[] for _ in self.units]
+        # reductions in flight: a group's work (None: nothing to wait for) and its (reduced shard gradient, shard)
+        self._reductions: list[tuple[object | None, list[tuple[torch.Tensor, nn.Parameter]]]] = []
         self._exact_grads: dict[nn.Parameter, torch.Tensor] = {}  # replicated gradients summed over the batch
         self._calls: dict[nn.Module, list[_ExactCall]] = {}  # exact calls between a module's two hooks
         # an input of every exact call's autograd node, so that its output needs a gradient (token ids do not)
@@ -420,29 +429,34 @@ class FullyShardedDataParallel(nn.Module):
         return self.order[position] if self.order else position
 
     def _gather(self, unit: int | None) -> None:
+        """Start gathering the unit's weights that are not gathered: one all-gather group per unit (as FSDP2
+        issues one all-gather per unit, here without copying the weights into one buffer and out again)."""
         if unit is None:
             return
-        started = False
-        for index in self.units[unit][1]:
-            weight = self.weights[index]
-            if weight.start_gather():
-                started = True
-                self._bytes["bytes_all_gathered"] += (
-                    (self.world - 1) * weight.shard_numel * weight.buffer.element_size()
-                )
-        if started and self.record_events:
+        weights = [self.weights[index] for index in self.units[unit][1]]
+        weights = [weight for weight in weights if weight.prepare_gather()]
+        if not weights:
+            return
+        if self.world > 1:
+            self._gathers[unit].append(
+                all_gather_coalesced([w.buffer for w in weights], [w.local for w in weights])
+            )
+            self._bytes["bytes_all_gathered"] += sum(
+                (self.world - 1) * w.shard_numel * w.buffer.element_size() for w in weights
+            )
+        if self.record_events:
             self.events.append(("gather", unit))
 
     def _wait_gathered(self, unit: int) -> None:
         self._gather(unit)
-        for index in self.units[unit][1]:
-            weight = self.weights[index]
-            if weight.gather_work is not None:
-                timer = CommunicationTimer(self.device) if self.measure_communication else None
-                weight.gather_work.wait()
-                if timer is not None:
-                    self._gather_waits.append(("backward" if self._in_backward else "forward", timer.stop()))
-                weight.gather_work = None
+        pending, self._gathers[unit] = self._gathers[unit], []
+        if not pending:
+            return
+        timer = CommunicationTimer(self.device) if self.measure_communication else None
+        for work in pending:
+            work.wait()
+        if timer is not None:
+            self._gather_waits.append(("backward" if self._in_backward else "forward", timer.stop()))
 
     def _before_forward(self, unit: int, module: nn.Module, args: tuple) -> tuple:
         weights = [self.weights[index] for index in self.units[unit][1]]
@@ -634,7 +648,7 @@ class FullyShardedDataParallel(nn.Module):
             if flat.numel() < weight.buffer.numel():
                 flat = torch.nn.functional.pad(flat, (0, weight.buffer.numel() - flat.numel()))
             self._reductions.append(
-                (None, weight.own_chunk(flat).to(weight.shard.dtype).clone(), weight.shard)
+                (None, [(weight.own_chunk(flat).to(weight.shard.dtype).clone(), weight.shard)])
             )
             weight.free()
         for (_, _, param), param_grad in zip(call.params, rest[len(call.weights) :], strict=True):
@@ -660,20 +674,32 @@ class FullyShardedDataParallel(nn.Module):
         weight.use_shard()  # a recomputation stopped early (checkpointing) may not have put the shard back
         weight.free()
         unit = self._unit_of_weight[index]
+        self._unit_grads[unit].append((weight, grad.to(weight.shard.dtype)))
         self._grads_pending[unit] -= 1
         if self._grads_pending[unit] == 0:
-            self._unit_backward_done(unit)
-        grad = grad.to(weight.shard.dtype)
-        if self.world == 1:
-            self._reductions.append((None, grad, weight.shard))
+            self._unit_backward_done(unit)  # first, so that the prefetch queues ahead of the reductions
+            self._reduce(unit)
+
+    def _reduce(self, unit: int) -> None:
+        """Reduce-scatter the unit's gradients produced so far, each to its owner: one group, asynchronously."""
+        grads, self._unit_grads[unit] = self._unit_grads[unit], []
+        if not grads:
             return
-        padding = weight.buffer.numel() - weight.numel
-        if padding:
-            grad = torch.nn.functional.pad(grad, (0, padding))
-        out = torch.empty(weight.shard_numel, dtype=grad.dtype, device=full.device)
-        work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
-        self._bytes["bytes_reduce_scattered"] += (self.world - 1) * weight.shard_numel * grad.element_size()
-        self._reductions.append((work, out, weight.shard))
+        if self.world == 1:
+            self._reductions.append((None, [(grad, weight.shard) for weight, grad in grads]))
+            return
+        inputs, outputs = [], []
+        for weight, grad in grads:
+            padding = weight.buffer.numel() - weight.numel
+            inputs.append(torch.nn.functional.pad(grad, (0, padding)) if padding else grad)
+            outputs.append(torch.empty(weight.shard_numel, dtype=grad.dtype, device=grad.device))
+            self._bytes["bytes_reduce_scattered"] += (
+                (self.world - 1) * weight.shard_numel * grad.element_size()
+            )
+        work = reduce_scatter_coalesced(outputs, inputs, dist.ReduceOp.SUM)
+        self._reductions.append(
+            (work, [(out, weight.shard) for out, (weight, _) in zip(outputs, grads, strict=True)])
+        )
 
     def _average_replicated_gradients(self) -> None:
         """One all-reduce of every replicated gradient (norms: a few KiB each), averaged in place; in exact mode
@@ -700,18 +726,23 @@ class FullyShardedDataParallel(nn.Module):
         ranks of its gradient (in the shard's dtype for the shards)."""
         timer = CommunicationTimer(self.device) if self.measure_communication else None
         self._in_backward = False
-        for weight in self.weights:  # a prefetched layer whose backward did not run must not stay gathered
-            if weight.gather_work is not None:
-                weight.gather_work.wait()
-                weight.gather_work = None
+        for unit in range(len(self.units)):
+            self._reduce(unit)  # a unit some of whose weights got no gradient: what it did produce
+            for work in self._gathers[
+                unit
+            ]:  # a prefetched unit whose backward did not run must not stay gathered
+                work.wait()
+            self._gathers[unit] = []
+        for weight in self.weights:
             weight.free()
         self._average_replicated_gradients()
-        for work, reduced, param in self._reductions:
+        for work, reduced_shards in self._reductions:
             if work is not None:
                 work.wait()
-            if self.divide_factor != 1:
-                reduced.div_(self.divide_factor)
-            param.grad = reduced if param.grad is None else param.grad + reduced
+            for reduced, param in reduced_shards:
+                if self.divide_factor != 1:
+                    reduced.div_(self.divide_factor)
+                param.grad = reduced if param.grad is None else param.grad + reduced
         self._reductions.clear()
         if timer is not None:
             self.last_communication = StepCommunication(self._gather_waits, timer.stop(), self._bytes)
