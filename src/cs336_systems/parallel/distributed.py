@@ -38,21 +38,29 @@ _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTE
 
 def all_gather_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor]):
     """all_gather_flat(output, input) for each pair, started together as one group (on NCCL one ncclGroup: one
-    kernel launch for all of them), asynchronously; wait() on what it returns. c10d's coalescing manager is
-    private API, but it is the one way torch offers to group flat collectives without copying them into one
-    buffer first."""
-    with dist.distributed_c10d._coalescing_manager(async_ops=True) as group:
-        for output, input_ in zip(outputs, inputs, strict=True):
-            all_gather_flat(output, input_, async_op=True)
-    return group
+    kernel launch for all of them), asynchronously; wait() on what it returns."""
+    return _grouped(all_gather_flat, outputs, inputs)
 
 
 def reduce_scatter_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Tensor], op: dist.ReduceOp):
     """reduce_scatter_flat(output, input, op) for each pair, started together as one group, asynchronously
     (see all_gather_coalesced)."""
-    with dist.distributed_c10d._coalescing_manager(async_ops=True) as group:
-        for output, input_ in zip(outputs, inputs, strict=True):
-            reduce_scatter_flat(output, input_, op=op, async_op=True)
+    return _grouped(reduce_scatter_flat, outputs, inputs, op=op)
+
+
+def _grouped(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], **options):
+    """c10d's coalescing manager (private API, but the one way torch offers to group flat collectives without
+    copying them into one buffer first). gloo groups CPU tensors only, so on gloo CUDA tensors go one by one."""
+    c10d = dist.distributed_c10d
+    pairs = list(zip(outputs, inputs, strict=True))
+    if dist.get_backend() == "gloo" and inputs[0].is_cuda:
+        group = c10d._CoalescingManager()
+        for output, input_ in pairs:
+            group.append(collective(output, input_, async_op=True, **options))
+        return group
+    with c10d._coalescing_manager(async_ops=True) as group:
+        for output, input_ in pairs:
+            collective(output, input_, async_op=True, **options)
     return group
 
 
