@@ -260,7 +260,9 @@ def test_our_adamw_against_torchs(tmp_path):
     )
 
 
-def whole_layers(tmp_path: Path, since_build: bool) -> str:
+def whole_layers(tmp_path: Path, since_build: bool, monkeypatch, commits=("a" * 40, "a" * 40)) -> str:
+    """The one-GPU cells and fits of ours and ours without checkpointing (one file each, at `commits`), and ours
+    under our FSDP at 34 layers; the checkpointing section's text."""
     one_gpu = [
         {
             "kind": "cell",
@@ -278,17 +280,23 @@ def whole_layers(tmp_path: Path, since_build: bool) -> str:
         {"kind": "fit", "stack": stack, "num_layers": 34, "status": "extrapolated", "per_layer_ms": ms}
         for stack, ms in (("ours", 130.0), ("ours_no_checkpoint", 127.0))
     ]
-    write_rows(
-        pd.DataFrame(one_gpu), tmp_path / "results/train_step/all.csv", {**PARAMS, "num_layers": [2, 4, 8]}
-    )
+    frame = pd.DataFrame(one_gpu)
+    for stack, commit in zip(("ours", "ours_no_checkpoint"), commits, strict=True):
+        monkeypatch.setenv("CS336_GIT_COMMIT", commit)
+        write_rows(
+            frame[frame["stack"] == stack],
+            tmp_path / f"results/train_step/{stack}.csv",
+            {**PARAMS, "num_layers": [2, 4, 8], "stacks": [stack]},
+        )
+    monkeypatch.setenv("CS336_GIT_COMMIT", "b" * 40)
     return sharded(tmp_path, [cell("ours_fsdp", 5000.0, 128 * 1024, 0.40, since_build=since_build)])
 
 
-def test_whole_layers_by_measurement(tmp_path):
+def test_whole_layers_by_measurement(tmp_path, monkeypatch):
     """A whole layer costs 2 GiB and saves 3 ms (one-GPU slopes of ours without checkpointing against ours); ours
     under our FSDP peaks at 128 GiB in its step, of the 135 GiB goal: room for 3 whole layers, 9 ms of a 5 s
     step. Its build's peak (20 GiB) and first step's (90 GiB) play no part."""
-    text = whole_layers(tmp_path, since_build=False)
+    text = whole_layers(tmp_path, since_build=False, monkeypatch=monkeypatch)
     assert (
         "costs 2.00 GiB more peak memory than a selectively checkpointed one and saves 3.0 ms of step time"
         in text
@@ -300,14 +308,25 @@ def test_whole_layers_by_measurement(tmp_path):
     assert "(0.18% of its 5.00 s)" in text
 
 
-def test_no_whole_layers_from_peaks_since_the_build(tmp_path):
+def test_no_whole_layers_from_peaks_since_the_build(tmp_path, monkeypatch):
     """Tables written before the step's own peak: their peaks since the build may be the build's transient, so
     neither the headroom nor a layer's cost is derived from them."""
-    text = whole_layers(tmp_path, since_build=True)
+    text = whole_layers(tmp_path, since_build=True, monkeypatch=monkeypatch)
     assert (
         "**Which layers keep everything, by measurement.** Not derived in this run: the peaks of its one-GPU and "
         "sharded cells are peaks since the model's build (they include the build's transient; ours under our "
         "FSDP: 128.0 GiB at 34 layers on 2 GPUs), not the step's own" in text
+    )
+    assert "room for" not in text
+
+
+def test_no_whole_layers_from_two_commits(tmp_path, monkeypatch):
+    """Ours and ours without checkpointing measured at two commits: their difference would hold every other
+    change, so no layer's saving is derived from it."""
+    text = whole_layers(tmp_path, since_build=False, monkeypatch=monkeypatch, commits=("a" * 40, "c" * 40))
+    assert (
+        "Not derived: ours and ours without checkpointing were measured at different commits (aaaaaaaaaa and "
+        "cccccccccc)" in text
     )
     assert "room for" not in text
 
@@ -599,3 +618,16 @@ def test_pieces_measured_at_different_commits_are_not_compared():
     assert "Our FlashAttention, against SDPA's: +6.0 ms per layer" in text
     assert "head + loss, against PyTorch's chunked one:" not in text
     assert "Not compared, measured at different commits" in text and "(ours at new, the other at old)" in text
+
+
+def test_optimizer_worth_names_the_two_commits_it_spans():
+    cells = pd.DataFrame(
+        [
+            {"kind": "cell", "stack": stack, "num_layers": 4, "status": "ok", "optimizer_ms": ms}
+            for stack, ms in (("ours", 6.0), ("ours_torch_adamw", 8.0))
+        ]
+    )
+    same = train_step.optimizer_worth(cells, {"ours": "aaaa", "ours_torch_adamw": "aaaa"})
+    assert same.endswith("the faster is ours."), same
+    apart = train_step.optimizer_worth(cells, {"ours": "aaaa", "ours_torch_adamw": "cccc"})
+    assert apart.endswith("(Measured at two commits: ours at aaaa, the other at cccc.)"), apart

@@ -75,7 +75,11 @@ def render(ctx: Context) -> str:
         "",
         *(
             part
-            for text in (updates_lost(cells), optimizer_worth(cells), memory_text(cells, stacks))
+            for text in (
+                updates_lost(cells),
+                optimizer_worth(cells, stack_commits(metas)),
+                memory_text(cells, stacks),
+            )
             if text
             for part in (text, "")
         ),
@@ -614,16 +618,23 @@ def updates_lost(cells: pd.DataFrame) -> str | None:
     )
 
 
-def optimizer_worth(cells: pd.DataFrame) -> str | None:
+def optimizer_worth(cells: pd.DataFrame, commit: dict[str, str] | None = None) -> str | None:
     """Our AdamW kernel against torch.optim.AdamW(fused=True): `optimizer.step()` alone, ours against
-    ours_torch_adamw."""
+    ours_torch_adamw; the commits named where the two were measured at two (`commit`: by stack)."""
     if (found := at_deepest_shared(cells, "optimizer_ms", "ours_torch_adamw")) is None:
         return None
     layers, ours_ms, torch_ms = found
     faster = "ours" if ours_ms < torch_ms else "torch.optim.AdamW(fused=True)"
+    commit = commit or {}
+    apart = (
+        f" (Measured at two commits: ours at {commit.get('ours')}, the other at {commit.get('ours_torch_adamw')}.)"
+        if commit.get("ours") != commit.get("ours_torch_adamw")
+        else ""
+    )
     return (
         f"Our AdamW kernel, against torch.optim.AdamW(fused=True): `optimizer.step()` alone takes {ours_ms:,.1f} "
         f"ms against {torch_ms:,.1f} ms at {layers} layers ({ours_ms / torch_ms:.2f}×); the faster is {faster}."
+        + apart
     )
 
 
@@ -1075,7 +1086,8 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
     layer's cost and saving are the one-GPU slopes over depth (ours without checkpointing against ours, in peak
     memory and in step time); every rank holds its own sequence's activations, so sharding leaves them per GPU as
     they are. The headroom is the goal less our stack's measured step peak under our FSDP. Not derived from peaks
-    since the build (older tables): the build's transient may be all they show."""
+    since the build (older tables): the build's transient may be all they show; nor from the two stacks measured
+    at two commits."""
     one_gpu = ctx.table("train_step")
     at = cells[
         (cells["stack"] == "ours_fsdp")
@@ -1095,6 +1107,13 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
     ):
         return ""
     ok = ok[ok["stack"].isin(pairs)]
+    commit = stack_commits(one_gpu[1])
+    if commit.get("ours") != commit.get("ours_no_checkpoint"):
+        return (
+            "**Which layers keep everything, by measurement.** Not derived: ours and ours without checkpointing "
+            f"were measured at different commits ({commit.get('ours')} and {commit.get('ours_no_checkpoint')}), "
+            "so their difference in step time would hold every other change between them."
+        )
     if since_build(at) or since_build(ok):
         tables = " and ".join(
             name for name, table in (("one-GPU", ok), ("sharded", at)) if since_build(table)
