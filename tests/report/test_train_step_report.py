@@ -325,7 +325,7 @@ def test_no_whole_layers_from_two_commits(tmp_path, monkeypatch):
     change, so no layer's saving is derived from it."""
     text = whole_layers(tmp_path, since_build=False, monkeypatch=monkeypatch, commits=("a" * 40, "c" * 40))
     assert (
-        "Not derived: ours and ours without checkpointing were measured at different commits (aaaaaaaaaa and "
+        "Not derived: ours and ours without checkpointing were measured in different runs (aaaaaaaaaa and "
         "cccccccccc)" in text
     )
     assert "room for" not in text
@@ -549,7 +549,7 @@ def test_sharding_overhead_against_the_one_gpu_extrapolation(tmp_path, monkeypat
     assert re.search(r"\| PyTorch-native stack under FSDP2 .*\| 4.71 +\| 4.58 +\| \+0.13 +\|", text)
     assert goal(text, "sharding overhead at most the native stack's")[1:] == ["+0.21 s", "≤ +0.13 s", "FAIL"]
     assert "Ours meets 1 of the 4 two-GPU goals." in text
-    assert "measured at commit bbbbbbbbbb, the one-GPU fits at the commits in the last column" in text
+    assert "measured at bbbbbbbbbb, the one-GPU fits at the commits in the last column" in text
     assert "extrapolated to 34 layers" in text and "not a measurement" in text
 
     one_gpu_fits(tmp_path, {"native": 4.58, "ours": 4.95}, monkeypatch, commit="b" * 40)
@@ -617,7 +617,22 @@ def test_pieces_measured_at_different_commits_are_not_compared():
     )
     assert "Our FlashAttention, against SDPA's: +6.0 ms per layer" in text
     assert "head + loss, against PyTorch's chunked one:" not in text
-    assert "Not compared, measured at different commits" in text and "(ours at new, the other at old)" in text
+    assert "Not compared, measured at different commits or on different GPUs" in text
+    assert "(ours at new, the other at old)" in text
+
+
+def test_one_commit_on_two_gpus_is_two_runs():
+    """Stacks measured at one commit on two GPUs (two machines of one kind differ by a few percent) are two runs;
+    provenance from before GPUs were recorded names the commit alone."""
+    metas = [
+        {"provenance": {"git_commit": "a" * 40, "device_uuid": uuid}, "params": {"stacks": [stack]}}
+        for stack, uuid in (("ours", "5191046f-dcef"), ("ours_sdpa", "c3d58a9c-ee3f"), ("native", None))
+    ]
+    assert train_step.stack_commits(metas) == {
+        "ours": "aaaaaaaaaa on GPU 5191046f",
+        "ours_sdpa": "aaaaaaaaaa on GPU c3d58a9c",
+        "native": "aaaaaaaaaa",
+    }
 
 
 def test_optimizer_worth_names_the_two_commits_it_spans():
@@ -630,4 +645,4 @@ def test_optimizer_worth_names_the_two_commits_it_spans():
     same = train_step.optimizer_worth(cells, {"ours": "aaaa", "ours_torch_adamw": "aaaa"})
     assert same.endswith("the faster is ours."), same
     apart = train_step.optimizer_worth(cells, {"ours": "aaaa", "ours_torch_adamw": "cccc"})
-    assert apart.endswith("(Measured at two commits: ours at aaaa, the other at cccc.)"), apart
+    assert apart.endswith("(Measured in two runs: ours at aaaa, the other at cccc.)"), apart

@@ -99,6 +99,13 @@ def commit_text(p: dict[str, Any]) -> str:
     return (p.get("git_commit") or "unknown")[:10] + (" (dirty)" if p.get("git_dirty") else "")
 
 
+def run_text(p: dict[str, Any]) -> str:
+    """A provenance's commit and, where recorded, its GPU: two results compare only where these agree (machines
+    of one kind differ by a few percent)."""
+    uuid = p.get("device_uuid")
+    return commit_text(p) + (f" on GPU {uuid[:8]}" if uuid else "")
+
+
 def setup_text(p: dict[str, Any]) -> str:
     count = p.get("device_count") or 0
     threads = p.get("cpu_threads")

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from cs336_systems.report.context import Context, NotRun, on_gpu
-from cs336_systems.report.formatting import commit_text, not_measured, not_run, provenance_line, text_md
+from cs336_systems.report.formatting import not_measured, not_run, provenance_line, run_text, text_md
 from cs336_systems.training.stacks import STACKS, unsharded
 
 LABEL = {name: stack.label for name, stack in STACKS.items()}  # the one stack registry
@@ -131,7 +131,7 @@ COLD_LIMIT_S = 600
 
 
 def commits(metas: list[dict]) -> set[str]:
-    return {commit_text(m["provenance"]) for m in metas}
+    return {run_text(m["provenance"]) for m in metas}
 
 
 def cold_text(ctx: Context, fits: pd.DataFrame, fit_commits: set[str] = frozenset()) -> str:
@@ -536,7 +536,7 @@ def stack_provenance(metas: list[dict]) -> dict[str, dict]:
 
 def stack_commits(metas: list[dict]) -> dict[str, str]:
     """The commit each stack of a table was measured at."""
-    return {s: commit_text(p) for s, p in stack_provenance(metas).items()}
+    return {s: run_text(p) for s, p in stack_provenance(metas).items()}
 
 
 def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame, commit: dict[str, str] | None = None) -> str:
@@ -577,9 +577,8 @@ def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame, commit: dict[str, s
             parts.append(text + ".")
     if apart:
         parts.append(
-            "Not compared, measured at different commits (the difference would hold every change between them): "
-            + "; ".join(apart)
-            + "."
+            "Not compared, measured at different commits or on different GPUs (the difference would hold every "
+            "change between them, or the GPUs' own): " + "; ".join(apart) + "."
         )
     fastest = fits["step_ms"].idxmin()
     parts.append(
@@ -627,7 +626,7 @@ def optimizer_worth(cells: pd.DataFrame, commit: dict[str, str] | None = None) -
     faster = "ours" if ours_ms < torch_ms else "torch.optim.AdamW(fused=True)"
     commit = commit or {}
     apart = (
-        f" (Measured at two commits: ours at {commit.get('ours')}, the other at {commit.get('ours_torch_adamw')}.)"
+        f" (Measured in two runs: ours at {commit.get('ours')}, the other at {commit.get('ours_torch_adamw')}.)"
         if commit.get("ours") != commit.get("ours_torch_adamw")
         else ""
     )
@@ -973,8 +972,9 @@ def overhead_text(overheads: pd.DataFrame, unit: str) -> str:
     )
     mixed = overheads[overheads["sharded_commit"] != overheads["one_gpu_commit"]]
     caveat = (
-        f" The sharded step was measured at commit {mixed['sharded_commit'].iloc[0]}, the one-GPU fits at the "
-        "commits in the last column: whatever changed between them counts in the difference too."
+        f" The sharded step was measured at {mixed['sharded_commit'].iloc[0]}, the one-GPU fits at the "
+        "commits in the last column: whatever changed between them (code, or the GPU) counts in the difference "
+        "too."
         if len(mixed)
         else ""
     )
@@ -1111,7 +1111,7 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
     if commit.get("ours") != commit.get("ours_no_checkpoint"):
         return (
             "**Which layers keep everything, by measurement.** Not derived: ours and ours without checkpointing "
-            f"were measured at different commits ({commit.get('ours')} and {commit.get('ours_no_checkpoint')}), "
+            f"were measured in different runs ({commit.get('ours')} and {commit.get('ours_no_checkpoint')}), "
             "so their difference in step time would hold every other change between them."
         )
     if since_build(at) or since_build(ok):
