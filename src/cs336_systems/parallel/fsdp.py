@@ -26,7 +26,9 @@ which would break its graph), so the compiled blocks of the leaderboard's train 
 **Forward.** A unit's full weights exist only around its use: all-gathered (in `compute_dtype`: each rank
 casts its shard into its own chunk of the gathered buffer, and the all-gather runs in place) into buffers whose
 storage is freed after the unit's forward. A unit's collectives are started as one group (on NCCL one kernel
-per unit and pass, as FSDP2's one collective per unit, without its copies into and out of one flat buffer). The gathers of the unit at position i (in the order the units ran in
+per unit and pass, as FSDP2's one collective per unit, without its copies into and out of one flat buffer; on
+2x H200 at 34 layers, one machine, the leaderboard's step took 4.54 s with one collective per weight, 4.48 s
+grouped). The gathers of the unit at position i (in the order the units ran in
 the first forward) start once the unit at i - prefetch_distance has finished its forward, asynchronously, and
 are waited for right before the unit runs.
 
@@ -728,9 +730,8 @@ class FullyShardedDataParallel(nn.Module):
         self._in_backward = False
         for unit in range(len(self.units)):
             self._reduce(unit)  # a unit some of whose weights got no gradient: what it did produce
-            for work in self._gathers[
-                unit
-            ]:  # a prefetched unit whose backward did not run must not stay gathered
+            # a prefetched unit whose backward did not run must not stay gathered
+            for work in self._gathers[unit]:
                 work.wait()
             self._gathers[unit] = []
         for weight in self.weights:
