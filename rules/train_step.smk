@@ -80,6 +80,33 @@ rule train_step_components:
         "--out {output.csv} 2> {log}"
 
 
+# What one layer costs kernel by kernel: a profiled step per stack at each of two depths or more (the report takes
+# each kernel's slope over depth).
+KERNELS = TRAIN_STEP.get("kernels")
+KERNELS_CSV = f"{RESULTS}/train_step_kernels/kernels.csv"
+if KERNELS:
+
+    use rule train_step_components as train_step_kernels with:
+        message:
+            "2026 §9 leaderboard step: time per kernel and layer -> {output.csv}"
+        output:
+            csv=report(KERNELS_CSV, caption="report/train_step.rst", category="Results",
+                       subcategory="9 The leaderboard's training step"),
+            json=f"{RESULTS}/train_step_kernels/kernels.json",
+        params:
+            dims=TRAIN_STEP_DIMS,
+            num_layers=listed(KERNELS["num_layers"]),
+            stacks=listed(KERNELS["stacks"]),
+            dtype=TRAIN_STEP["dtype"],
+            options=train_step_options(TRAIN_STEP, TRAIN_STEP["compile"]) + " --kernels",
+            device=R["device"],
+            gpus_ok=lambda w: gpus_ok(GPU_JOB, KERNELS_CSV),
+        log:
+            f"{RESULTS}/logs/train_step/kernels.log",
+
+    WRITEUP_INPUTS.append(KERNELS_CSV)
+
+
 # Does every stack train as the plain model does? A small model, the run's dtype against float32 (one job).
 CHECK = TRAIN_STEP.get("check")
 CHECK_CSV = f"{RESULTS}/train_step_check/check.csv"

@@ -646,3 +646,50 @@ def test_optimizer_worth_names_the_two_commits_it_spans():
     assert same.endswith("the faster is ours."), same
     apart = train_step.optimizer_worth(cells, {"ours": "aaaa", "ours_torch_adamw": "cccc"})
     assert apart.endswith("(Measured in two runs: ours at aaaa, the other at cccc.)"), apart
+
+
+def test_a_layer_kernel_by_kernel(tmp_path):
+    """Each kernel's cost per layer is its slope over depth (a kernel absent at a depth counts 0 there); what does
+    not grow with depth drops out; the layer by component and ours against the native stack follow from them."""
+    rows = [
+        {
+            "kind": "kernel",
+            "stack": stack,
+            "num_layers": layers,
+            "kernel": kernel,
+            "component": component,
+            "kernel_ms": fixed + per_layer * layers,
+            "calls": calls * layers,
+            "status": "ok",
+        }  # fmt: skip
+        for stack, kernel, component, fixed, per_layer, calls in (
+            ("native", "cudnn_bprop", "attention", 0.0, 42.0, 1),
+            ("native", "nvjet_gemm", "matmul", 50.0, 54.0, 14),
+            ("ours", "flash_bwd_kernel", "attention", 0.0, 43.5, 1),
+            ("ours", "nvjet_gemm", "matmul", 50.0, 54.0, 14),
+            ("ours", "direct_copy_kernel", "elementwise and other", 0.0, 1.25, 3),
+            ("ours", "_adamw_kernel", "optimizer", 6.0, 0.0, 0),
+        )
+        for layers in (2, 4)
+    ]
+    write_rows(pd.DataFrame(rows), tmp_path / "results/train_step_kernels/kernels.csv", PARAMS)
+    text = train_step.kernels_text(
+        Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report")
+    )
+    assert "| ours                 | direct_copy_kernel | elementwise and other | 1.25 " in text, text
+    assert "| 3.0 " in text  # its calls per layer
+    assert (
+        "Per layer, all kernels: ours 98.75 ms, the native stack 96.00 ms (+2.75 ms); the largest difference "
+        "is in attention (+1.50 ms)." in text
+    )
+    assert "| optimizer " in text and "| 0.00 " in text  # the optimizer does not grow with depth
+
+
+def test_no_kernel_costs_from_one_depth(tmp_path):
+    rows = [{"kind": "kernel", "stack": "ours", "num_layers": 2, "kernel": "k", "component": "matmul",
+             "kernel_ms": 1.0, "calls": 1, "status": "ok"}]  # fmt: skip
+    write_rows(pd.DataFrame(rows), tmp_path / "results/train_step_kernels/kernels.csv", PARAMS)
+    assert (
+        train_step.kernels_text(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
+        == ""
+    )

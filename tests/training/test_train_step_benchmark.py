@@ -366,7 +366,7 @@ def test_cli_clocks_each_cell_from_empty_caches(tmp_path: Path, monkeypatch):
     assert rows.loc[rows["kind"] == "fit", ["build_s", "first_step_s", "elapsed_s"]].isna().all().all()
 
 
-def test_components_split_a_profiled_step(tmp_path: Path):
+def test_components_and_kernels_split_a_profiled_step(tmp_path: Path):
     out = tmp_path / "parts.csv"
     train_step_benchmark.main(
         [
@@ -394,11 +394,25 @@ def test_components_split_a_profiled_step(tmp_path: Path):
             "--steps",
             "1",
             "--components",
+            "--kernels",
             "--device",
             "cpu",
         ]
     )
     rows = pd.read_csv(out)
+    kernels = rows[rows["kind"] == "kernel"]
+    # the same profiled step, kernel by kernel: its kernels add up to its components
+    assert kernels["kernel_ms"].sum() == pytest.approx(
+        rows.loc[rows["kind"] == "component", "component_ms"].sum()
+    )
+    assert (kernels["calls"] > 0).all() and kernels["kernel"].is_unique
+    assert set(kernels["component"]) <= {
+        "attention",
+        "head + loss",
+        "optimizer",
+        "matmul",
+        "elementwise and other",
+    }
     parts = rows[rows["kind"] == "component"].set_index("component")["component_ms"]
     assert set(parts.index) == {"attention", "head + loss", "optimizer", "matmul", "elementwise and other"}
     # (the CPU's AdamW runs per-tensor aten ops, mul_ and the like, which count as "other" here)

@@ -24,6 +24,7 @@ from cs336_systems.training.stacks import (
     STACKS,
     build_step,
     component_times,
+    kernel_times,
     model_flops,
     peak_tflops,
 )
@@ -166,7 +167,16 @@ def measure(
         **counts,
         **largest,
         **alone,
-        "components": component_times(train, device) if args.components else {},
+        **profiled_parts(train, device, args),
+    }
+
+
+def profiled_parts(train: TrainingStep, device: torch.device, args: argparse.Namespace) -> dict[str, dict]:
+    """With --components or --kernels, one profiled step: its time by component and by kernel."""
+    kernels = kernel_times(train, device) if args.components or args.kernels else {}
+    return {
+        "components": component_times(kernels) if args.components else {},
+        "kernels": kernels if args.kernels else {},
     }
 
 
@@ -240,7 +250,7 @@ def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torc
     }
     if result == "OOM":
         return row | {"status": "OOM", "reason": "out of memory"}
-    row |= {key: value for key, value in result.items() if key != "components"}
+    row |= {key: value for key, value in result.items() if key not in ("components", "kernels")}
     if peak is not None:
         row["mfu"] = flops / (result["step_ms"] / 1e3) / (world * peak * 1e12)
     return row

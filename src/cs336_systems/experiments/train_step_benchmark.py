@@ -17,7 +17,8 @@ is lost on a bf16 weight more than ~256x its size; float32 master weights keep i
 `optimizer.step()` timed alone, and the memory the model keeps between steps (`weights_mib`, `gradients_mib`,
 `optimizer_state_mib`). With `--components`, one more profiled step per cell gives `component` rows: its
 kernels' time by component (attention, head + loss, optimizer, matmul, the rest;
-cs336_systems.training.stacks.COMPONENTS).
+cs336_systems.training.stacks.COMPONENTS); with `--kernels`, `kernel` rows: each kernel's time and calls in that
+step (at two depths or more, what a layer costs kernel by kernel is their slope).
 
 The sharded stacks (`*_fsdp`) run under the launcher, one rank per GPU, each rank on its own `--batch-size`
 sequences (the leaderboard: 2 GPUs x 1 sequence):
@@ -63,7 +64,7 @@ from cs336_systems.kernels import triton_interpreter
 from cs336_systems.measure.provenance import write_rows
 from cs336_systems.measure.timing import or_oom, resolve_device
 from cs336_systems.parallel.distributed import BACKENDS, distributed, how_to_launch
-from cs336_systems.training.stacks import DTYPES, LEADERBOARD, STACKS, peak_tflops
+from cs336_systems.training.stacks import DTYPES, LEADERBOARD, STACKS, component_of, peak_tflops
 
 # The model's dimensions (flags of the same names), the leaderboard's by default
 DIMENSIONS = {
@@ -144,6 +145,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also profile one step per cell: time per component (attention, matmul, ...) rows",
     )
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also profile one step per cell: time and calls per kernel (kernel rows)",
+    )
     cli.add_device(p)
     args = p.parse_args(argv)
     if args.d_model % args.num_heads or (args.d_model // args.num_heads) % 2:
@@ -198,6 +204,19 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
                             "status": "ok",
                         }
                         for name, ms in result["components"].items()
+                    ]
+                    parts += [
+                        {
+                            "kind": "kernel",
+                            "stack": stack,
+                            "num_layers": num_layers,
+                            "kernel": name,
+                            "component": component_of(name),
+                            "kernel_ms": ms,
+                            "calls": calls,
+                            "status": "ok",
+                        }
+                        for name, (ms, calls) in result["kernels"].items()
                     ]
                 shown = (
                     "OOM"

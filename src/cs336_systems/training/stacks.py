@@ -385,11 +385,20 @@ def component_of(kernel: str) -> str:
     return next((name for name, pattern in COMPONENTS if pattern.search(kernel)), OTHER)
 
 
-def component_times(train: TrainingStep, device: torch.device) -> dict[str, float]:
-    """Milliseconds of one profiled step (after one untimed) per component (COMPONENTS), on the device's clock."""
+def kernel_times(train: TrainingStep, device: torch.device) -> dict[str, tuple[float, float]]:
+    """Per kernel name (on the CPU, per aten op): milliseconds and calls in one profiled step (after one untimed),
+    on the device's clock."""
     rows = profile_step(train.train_step, warmup=1, steps=1, device=device)
+    return {
+        row["name"]: (row["time_ms_per_step"], row["count_per_step"])
+        for row in rows
+        if row.get("record") == "kernel"
+    }
+
+
+def component_times(kernels: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """The milliseconds of `kernels` (kernel_times) per component (COMPONENTS)."""
     times = dict.fromkeys([*(name for name, _ in COMPONENTS), OTHER], 0.0)
-    for row in rows:
-        if row.get("record") == "kernel":
-            times[component_of(row["name"])] += row["time_ms_per_step"]
+    for name, (ms, _) in kernels.items():
+        times[component_of(name)] += ms
     return times

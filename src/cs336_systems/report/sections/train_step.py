@@ -100,6 +100,7 @@ def render(ctx: Context) -> str:
         cold_text(ctx, fits, commits(metas)),
         check_text(ctx),
         components_text(ctx),
+        kernels_text(ctx),
         sharded_text(ctx),
         sharded_cold_text(ctx),
     )
@@ -388,6 +389,87 @@ def components_text(ctx: Context) -> str:
             "",
             f"Ours against the native stack: {'; '.join(f'{c} {signed(g)} ms' for c, g in gap.items())} per "
             f"step at {layers} layers; the largest difference is in {biggest}.",
+        ]
+    return "\n".join(text)
+
+
+# The kernels a layer's table lists per stack, the costliest first
+TOP_KERNELS = 8
+
+
+def per_layer_kernels(kernels: pd.DataFrame) -> pd.DataFrame:
+    """Per stack and kernel, what one more layer costs: the least-squares slopes over depth of the kernel's
+    milliseconds and calls per step (a kernel absent at a depth counts 0 there); stack, kernel, component,
+    ms_per_layer, calls_per_layer."""
+    depths = sorted(kernels["num_layers"].unique())
+    rows = []
+    for (stack, kernel), runs in kernels.groupby(["stack", "kernel"], sort=False):
+        by_depth = runs.set_index("num_layers").reindex(depths).fillna({"kernel_ms": 0.0, "calls": 0.0})
+        ms = np.polyfit(depths, by_depth["kernel_ms"], 1)[0]
+        calls = np.polyfit(depths, by_depth["calls"], 1)[0]
+        rows.append([stack, kernel, runs["component"].iloc[0], ms, calls])
+    return pd.DataFrame(rows, columns=["stack", "kernel", "component", "ms_per_layer", "calls_per_layer"])
+
+
+def kernels_text(ctx: Context) -> str:
+    """What one layer costs kernel by kernel, per stack, from train_step_kernels' profiled steps at several
+    depths: the costliest kernels per layer, and the layer by component."""
+    found = ctx.table("train_step_kernels")
+    if found is None:
+        return ""
+    frame, metas = found
+    kernels = frame[(frame["kind"] == "kernel") & (frame["status"] == "ok")]
+    if kernels.empty or kernels["num_layers"].nunique() < 2:
+        return ""
+    layer = per_layer_kernels(kernels)
+    stacks = list(dict.fromkeys(layer["stack"]))
+    top = layer.sort_values("ms_per_layer", ascending=False).groupby("stack", sort=False).head(TOP_KERNELS)
+    top = top.set_index("stack").loc[stacks].reset_index()
+    shown = pd.DataFrame(
+        {
+            "stack": [LABEL.get(s, s) for s in top["stack"]],
+            "kernel": [k if len(k) <= 72 else k[:71] + "…" for k in top["kernel"]],
+            "component": top["component"],
+            "ms per layer": top["ms_per_layer"].map("{:,.2f}".format),
+            "calls per layer": top["calls_per_layer"].map("{:,.1f}".format),
+        }
+    )
+    by_component = layer.pivot_table(
+        index="component", columns="stack", values="ms_per_layer", aggfunc="sum", sort=False
+    )[stacks].fillna(0.0)
+    totals = by_component.sum()
+    components = pd.DataFrame({"component": [*by_component.index, "all kernels"]})
+    for stack in stacks:
+        components[f"{LABEL.get(stack, stack)} (ms per layer)"] = [
+            f"{ms:,.2f}" for ms in [*by_component[stack], totals[stack]]
+        ]
+    depths = sorted(kernels["num_layers"].unique())
+    text = [
+        provenance_line(metas),
+        "",
+        "**What a layer costs, kernel by kernel.** One profiled step (`torch.profiler`, after one untimed) per "
+        f"stack at {', '.join(map(str, depths))} layers; per kernel, the least-squares slope over depth of its "
+        "device time and calls per step is what one more layer costs (what does not grow with depth, the head, "
+        "the embedding and the optimizer's fixed part, drops out). Profiling adds its own overhead."
+        + (
+            ""
+            if on_gpu(metas)
+            else ' On this CPU run a "kernel" is an aten operator\'s self CPU time, and our Triton kernels, '
+            "running in the interpreter, are not seen."
+        ),
+        "",
+        text_md(shown),
+        "",
+        text_md(components),
+    ]
+    if {"ours", "native"} <= set(stacks):
+        gap = by_component["ours"] - by_component["native"]
+        biggest = gap.abs().idxmax()
+        text += [
+            "",
+            f"Per layer, all kernels: ours {totals['ours']:,.2f} ms, the native stack {totals['native']:,.2f} ms "
+            f"({signed(totals['ours'] - totals['native'], '.2f')} ms); the largest difference is in {biggest} "
+            f"({signed(gap[biggest], '.2f')} ms).",
         ]
     return "\n".join(text)
 
