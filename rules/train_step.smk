@@ -80,8 +80,8 @@ rule train_step_components:
         "--out {output.csv} 2> {log}"
 
 
-# What one layer costs kernel by kernel: a profiled step per stack at each of two depths or more (the report takes
-# each kernel's slope over depth).
+# What one layer costs kernel by kernel: profiled steps per stack at each of two depths or more (the report takes
+# each kernel's slope over depth); its component rows come along, as the components job's do.
 KERNELS = TRAIN_STEP.get("kernels")
 KERNELS_CSV = f"{RESULTS}/train_step_kernels/kernels.csv"
 if KERNELS:

@@ -171,9 +171,16 @@ def measure(
     }
 
 
+# --kernels profiles this many steps: a per-layer cost is a slope over depth, which multiplies a single step's
+# noise (one H100, depths 2 and 4, one step each: our backward kernel took 45.9 ms a call in one, 41.0 in the other)
+KERNEL_STEPS = 3
+
+
 def profiled_parts(train: TrainingStep, device: torch.device, args: argparse.Namespace) -> dict[str, dict]:
-    """With --components or --kernels, one profiled step: its time by component and by kernel."""
-    kernels = kernel_times(train, device) if args.components or args.kernels else {}
+    """With --components, one profiled step's time by component; with --kernels, the mean of KERNEL_STEPS
+    profiled steps by kernel (and by component)."""
+    steps = KERNEL_STEPS if args.kernels else 1
+    kernels = kernel_times(train, device, steps) if args.components or args.kernels else {}
     return {
         "components": component_times(kernels) if args.components else {},
         "kernels": kernels if args.kernels else {},

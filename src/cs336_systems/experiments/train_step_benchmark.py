@@ -17,8 +17,9 @@ is lost on a bf16 weight more than ~256x its size; float32 master weights keep i
 `optimizer.step()` timed alone, and the memory the model keeps between steps (`weights_mib`, `gradients_mib`,
 `optimizer_state_mib`). With `--components`, one more profiled step per cell gives `component` rows: its
 kernels' time by component (attention, head + loss, optimizer, matmul, the rest;
-cs336_systems.training.stacks.COMPONENTS); with `--kernels`, `kernel` rows: each kernel's time and calls in that
-step (at two depths or more, what a layer costs kernel by kernel is their slope).
+cs336_systems.training.stacks.COMPONENTS); with `--kernels`, the mean of a few profiled steps gives `kernel` rows
+instead, each kernel's time and calls per step (at two depths or more, what a layer costs kernel by kernel is their
+slope), and the component rows.
 
 The sharded stacks (`*_fsdp`) run under the launcher, one rank per GPU, each rank on its own `--batch-size`
 sequences (the leaderboard: 2 GPUs x 1 sequence):
@@ -148,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--kernels",
         action="store_true",
-        help="also profile one step per cell: time and calls per kernel (kernel rows)",
+        help="also profile a few steps per cell: time and calls per kernel (kernel rows)",
     )
     cli.add_device(p)
     args = p.parse_args(argv)

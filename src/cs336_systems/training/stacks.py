@@ -385,10 +385,10 @@ def component_of(kernel: str) -> str:
     return next((name for name, pattern in COMPONENTS if pattern.search(kernel)), OTHER)
 
 
-def kernel_times(train: TrainingStep, device: torch.device) -> dict[str, tuple[float, float]]:
-    """Per kernel name (on the CPU, per aten op): milliseconds and calls in one profiled step (after one untimed),
-    on the device's clock."""
-    rows = profile_step(train.train_step, warmup=1, steps=1, device=device)
+def kernel_times(train: TrainingStep, device: torch.device, steps: int = 1) -> dict[str, tuple[float, float]]:
+    """Per kernel name (on the CPU, per aten op): milliseconds and calls per step over `steps` profiled steps
+    (after one untimed), on the device's clock."""
+    rows = profile_step(train.train_step, warmup=1, steps=steps, device=device)
     return {
         row["name"]: (row["time_ms_per_step"], row["count_per_step"])
         for row in rows

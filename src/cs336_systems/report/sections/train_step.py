@@ -447,8 +447,8 @@ def kernels_text(ctx: Context) -> str:
     text = [
         provenance_line(metas),
         "",
-        "**What a layer costs, kernel by kernel.** One profiled step (`torch.profiler`, after one untimed) per "
-        f"stack at {', '.join(map(str, depths))} layers; per kernel, the least-squares slope over depth of its "
+        "**What a layer costs, kernel by kernel.** Profiled steps (`torch.profiler`, their mean, after one untimed) "
+        f"per stack at {', '.join(map(str, depths))} layers; per kernel, the least-squares slope over depth of its "
         "device time and calls per step is what one more layer costs (what does not grow with depth, the head, "
         "the embedding and the optimizer's fixed part, drops out). Profiling adds its own overhead."
         + (
