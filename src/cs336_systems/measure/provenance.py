@@ -42,6 +42,8 @@ def collect() -> dict[str, Any]:
     # A copy of the tree sent to another machine names its commit in CS336_GIT_COMMIT: a .git there may be stale.
     commit = os.environ.get("CS336_GIT_COMMIT")
     status = None if commit else _git("status", "--porcelain", "--untracked-files=no")
+    # which GPU, so which machine: two runs at one commit on two machines of one kind differ by 1-3 %
+    gpu_uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "")) if cuda else ""
     return {
         "timestamp": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
@@ -53,10 +55,7 @@ def collect() -> dict[str, Any]:
         "nccl": nccl,
         "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
         "device_count": torch.cuda.device_count() if cuda else 0,
-        # which GPU (so which machine): two runs at one commit on two machines of one kind differ by 1-3 %
-        "device_uuid": str(getattr(torch.cuda.get_device_properties(0), "uuid", "")) or None
-        if cuda
-        else None,
+        "device_uuid": gpu_uuid or None,
         "cpu_threads": torch.get_num_threads(),
         "git_commit": commit or _git("rev-parse", "HEAD"),
         "git_dirty": bool(status) if status is not None else None,
