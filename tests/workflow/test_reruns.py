@@ -91,6 +91,7 @@ CODE_EDITS = [
             "residuals": 1,
             "train_step": 3,
             "train_step_components": 1,
+            "train_step_kernels": 1,
             "train_step_sharded": 1,
             "train_step_check": 1,
             "train_step_cold": 1,
@@ -99,7 +100,13 @@ CODE_EDITS = [
     ("measure/ncu.py", {"flash_ncu": 1}),
     (
         "experiments/train_step_benchmark.py",
-        {"train_step": 3, "train_step_components": 1, "train_step_sharded": 1, "train_step_cold": 1},
+        {
+            "train_step": 3,
+            "train_step_components": 1,
+            "train_step_kernels": 1,
+            "train_step_sharded": 1,
+            "train_step_cold": 1,
+        },
     ),
     ("experiments/train_step_check.py", {"train_step_check": 1}),
     ("report/sections/e2e.py", {}),
