@@ -382,15 +382,23 @@ def components_text(ctx: Context) -> str:
         "",
         text_md(pd.concat([shown, total], ignore_index=True)),
     ]
-    if {"ours", "native"} <= set(stacks):
-        gap = table["ours"] - table["native"]
-        biggest = gap.abs().idxmax()
+    if (against := ours_against_native(table)) is not None:
+        gap, biggest = against
         text += [
             "",
             f"Ours against the native stack: {'; '.join(f'{c} {signed(g)} ms' for c, g in gap.items())} per "
             f"step at {layers} layers; the largest difference is in {biggest}.",
         ]
     return "\n".join(text)
+
+
+def ours_against_native(by_component: pd.DataFrame) -> tuple[pd.Series, str] | None:
+    """Per component (rows), ours less the native stack (columns by stack), and the component where they differ
+    most; None unless both were measured."""
+    if not {"ours", "native"} <= set(by_component.columns):
+        return None
+    gap = by_component["ours"] - by_component["native"]
+    return gap, gap.abs().idxmax()
 
 
 # The kernels a layer's table lists per stack, the costliest first
@@ -462,9 +470,8 @@ def kernels_text(ctx: Context) -> str:
         "",
         text_md(components),
     ]
-    if {"ours", "native"} <= set(stacks):
-        gap = by_component["ours"] - by_component["native"]
-        biggest = gap.abs().idxmax()
+    if (against := ours_against_native(by_component)) is not None:
+        gap, biggest = against
         text += [
             "",
             f"Per layer, all kernels: ours {totals['ours']:,.2f} ms, the native stack {totals['native']:,.2f} ms "
