@@ -178,7 +178,7 @@ KERNEL_STEPS = 3
 
 def profiled_parts(train: TrainingStep, device: torch.device, args: argparse.Namespace) -> dict[str, dict]:
     """With --components, one profiled step's time by component; with --kernels, the mean of KERNEL_STEPS
-    profiled steps by kernel (and by component)."""
+    profiled steps by kernel (with both, the components come from those steps)."""
     steps = KERNEL_STEPS if args.kernels else 1
     kernels = kernel_times(train, device, steps) if args.components or args.kernels else {}
     return {

@@ -17,9 +17,9 @@ is lost on a bf16 weight more than ~256x its size; float32 master weights keep i
 `optimizer.step()` timed alone, and the memory the model keeps between steps (`weights_mib`, `gradients_mib`,
 `optimizer_state_mib`). With `--components`, one more profiled step per cell gives `component` rows: its
 kernels' time by component (attention, head + loss, optimizer, matmul, the rest;
-cs336_systems.training.stacks.COMPONENTS); with `--kernels`, the mean of a few profiled steps gives `kernel` rows
-instead, each kernel's time and calls per step (at two depths or more, what a layer costs kernel by kernel is their
-slope), and the component rows.
+cs336_systems.training.stacks.COMPONENTS); with `--kernels`, the mean of a few profiled steps gives `kernel` rows,
+each kernel's time and calls per step (at two depths or more, what a layer costs kernel by kernel is their slope),
+and with both flags the component rows come from those same steps.
 
 The sharded stacks (`*_fsdp`) run under the launcher, one rank per GPU, each rank on its own `--batch-size`
 sequences (the leaderboard: 2 GPUs x 1 sequence):
