@@ -515,3 +515,21 @@ def fsdp_goals(cells: pd.DataFrame) -> pd.DataFrame:
         passed = bool(value < bound if strict else value <= bound) if known else None
         rows.append({"goal": goal, "measured": value, "bound": bound, "unit": unit, "passed": passed})
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What one layer of the training step costs, kernel by kernel
+
+
+def per_layer_kernels(kernels: pd.DataFrame) -> pd.DataFrame:
+    """Per stack and kernel, what one more layer costs: the least-squares slopes over depth of the kernel's
+    milliseconds and calls per step (a kernel absent at a depth counts 0 there); stack, kernel, component,
+    ms_per_layer, calls_per_layer."""
+    depths = sorted(kernels["num_layers"].unique())
+    rows = []
+    for (stack, kernel), runs in kernels.groupby(["stack", "kernel"], sort=False):
+        by_depth = runs.set_index("num_layers").reindex(depths).fillna({"kernel_ms": 0.0, "calls": 0.0})
+        ms = np.polyfit(depths, by_depth["kernel_ms"], 1)[0]
+        calls = np.polyfit(depths, by_depth["calls"], 1)[0]
+        rows.append([stack, kernel, runs["component"].iloc[0], ms, calls])
+    return pd.DataFrame(rows, columns=["stack", "kernel", "component", "ms_per_layer", "calls_per_layer"])

@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pandas as pd
 
+from cs336_systems.report.analysis import per_layer_kernels
 from cs336_systems.report.context import Context, NotRun, on_gpu
 from cs336_systems.report.formatting import not_measured, not_run, provenance_line, run_text, text_md
 from cs336_systems.training.stacks import STACKS, unsharded
@@ -403,20 +404,6 @@ def ours_against_native(by_component: pd.DataFrame) -> tuple[pd.Series, str] | N
 
 # The kernels a layer's table lists per stack, the costliest first
 TOP_KERNELS = 8
-
-
-def per_layer_kernels(kernels: pd.DataFrame) -> pd.DataFrame:
-    """Per stack and kernel, what one more layer costs: the least-squares slopes over depth of the kernel's
-    milliseconds and calls per step (a kernel absent at a depth counts 0 there); stack, kernel, component,
-    ms_per_layer, calls_per_layer."""
-    depths = sorted(kernels["num_layers"].unique())
-    rows = []
-    for (stack, kernel), runs in kernels.groupby(["stack", "kernel"], sort=False):
-        by_depth = runs.set_index("num_layers").reindex(depths).fillna({"kernel_ms": 0.0, "calls": 0.0})
-        ms = np.polyfit(depths, by_depth["kernel_ms"], 1)[0]
-        calls = np.polyfit(depths, by_depth["calls"], 1)[0]
-        rows.append([stack, kernel, runs["component"].iloc[0], ms, calls])
-    return pd.DataFrame(rows, columns=["stack", "kernel", "component", "ms_per_layer", "calls_per_layer"])
 
 
 def kernels_text(ctx: Context) -> str:
