@@ -129,14 +129,15 @@ def test_triton_backward_is_one_of_the_named_choices():
         FlashAttentionTriton.apply(q, k, v, False, "cuda")
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attention_matches_sdpa_on_heads_layout(impl, causal):
-    # The model's layout (batch, heads, seq, d_head), here a non-contiguous transpose of (batch, seq, heads, d),
-    # and the leaderboard's o.sum().backward() (an expanded, stride-0 gradient). SDPA's is_causal is top-left
-    # aligned like ours.
+def test_flash_attention_matches_sdpa_on_heads_layout(impl, causal, batch):
+    # The model's layout (batch, heads, seq, d_head), here a non-contiguous transpose of (batch, seq, heads, d)
+    # (at batch 1 the tiers get it as a (heads, seq, d) view, at batch 2 as a copy), and the leaderboard's
+    # o.sum().backward() (an expanded, stride-0 gradient). SDPA's is_causal is top-left aligned like ours.
     g = torch.Generator().manual_seed(11)
-    q, k, v = (torch.randn(2, 37, 3, 32, generator=g).transpose(1, 2).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(batch, 37, 3, 32, generator=g).transpose(1, 2).requires_grad_() for _ in range(3))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     expected_grads = torch.autograd.grad(expected.sum(), (q, k, v))
     actual = flash_attention(q, k, v, is_causal=causal, impl=impl)

@@ -18,6 +18,7 @@ import torch
 
 from cs336_systems.kernels import hopper
 from cs336_systems.kernels.hopper import compile_check
+from cs336_systems.kernels.hopper import flash_attention as hopper_tier
 
 from ..attention_reference import reference, rel_err
 
@@ -81,6 +82,24 @@ def test_kernels_compile_for_sm90_to_wgmma_without_spills(kernel, d, seq_len):
         assert 232 in report.setmaxnreg, report.line
         assert 2 * report.launch_regs * 8 * 32 <= 65536, report.line
         assert 2 * (report.shared_bytes + 1024) <= 228 * 1024, report.line
+
+
+def test_tma_reads_the_models_views_in_place_and_nothing_else():
+    # What the model hands the tier at batch 1: Q, K, V (heads, seq, d) slices of its QKV projection (rows
+    # 3 * heads * d apart) and dO, a (heads, seq, d) view of the output projection's gradient.
+    heads, seq, d = 4, 33, 64
+    qkv = torch.empty(1, seq, 3, heads, d, dtype=torch.bfloat16)
+    v = qkv.permute(2, 0, 3, 1, 4)[2].reshape(-1, seq, d)
+    do = torch.empty(1, seq, heads, d, dtype=torch.bfloat16).transpose(1, 2).reshape(-1, seq, d)
+    assert v.stride() == (d, 3 * heads * d, 1) and do.stride() == (d, heads * d, 1)
+    assert hopper_tier._tma_readable(v) and hopper_tier._tma_readable(do)
+    assert hopper_tier._tma_readable(torch.empty(2, seq, d, dtype=torch.bfloat16))
+    # what TMA cannot span: a strided last dim, a stride-0 (expanded) gradient, a base or row off 16 bytes
+    x = torch.empty(2, seq, 2 * d, dtype=torch.bfloat16)
+    assert not hopper_tier._tma_readable(x[..., ::2])
+    assert not hopper_tier._tma_readable(torch.ones(()).expand(2, seq, d))
+    assert not hopper_tier._tma_readable(x[..., 1 : d + 1])
+    assert not hopper_tier._tma_readable(torch.empty(2, seq, d + 4, dtype=torch.bfloat16)[..., :d])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -166,3 +185,32 @@ def test_agrees_with_the_portable_tier(shape, causal):
         err = rel_err(a, b.double())
         assert err < 2 * TOLERANCE[torch.bfloat16], f"{name}: relative difference {err}"
         assert math.isfinite(err)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_model_layout_matches_float64_reference(batch, causal):
+    # The model's layout through the operator: Q, K, V sliced from one (batch, seq, 3, heads, d) projection and
+    # dO a transpose of (batch, seq, heads, d), which the kernels read in place at batch 1 (TMA strides; the
+    # preprocess kernel's pointers) and from copies at batch 2. A contiguous call of the same shape runs first,
+    # so the strided one reuses the compiled kernels of its launch key.
+    from cs336_systems.kernels.flash_attention import flash_attention
+
+    heads, seq, d = 3, 1000, 128
+    g = torch.Generator(device="cuda").manual_seed(batch + 2 * causal)
+    qkv = torch.randn(batch, seq, 3, heads, d, generator=g, device="cuda").to(torch.bfloat16)
+    do = torch.randn(batch, seq, heads, d, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    strided = [t.requires_grad_() for t in qkv.permute(2, 0, 3, 1, 4)]
+    contiguous = [t.detach().contiguous().requires_grad_() for t in strided]
+    expected = _float64_grads(*strided, do, causal)
+    for inputs in (contiguous, strided):
+        o = flash_attention(*inputs, is_causal=causal, tier="hopper")
+        o.backward(do)
+        actual = (o, *(t.grad for t in inputs))
+        errors = {
+            name: rel_err(a, e)
+            for name, a, e in zip(("O", "dQ", "dK", "dV"), actual, (expected[0], *expected[2:]), strict=True)
+        }
+        assert all(err < TOLERANCE[torch.bfloat16] for err in errors.values()), errors

@@ -201,10 +201,12 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 # Triton
 # ----------------------------------------------------------------------------------------------------------
 def _as_batched(x: Tensor) -> Tensor:
-    """(..., seq, d) -> contiguous (batch, seq, d), the layout the kernels index (a view when x is contiguous)."""
-    if x.dim() == 3 and x.is_contiguous():
-        return x  # the common cases skip a reshape: each costs about a microsecond of host time
-    return x.reshape(-1, *x.shape[-2:]).contiguous()
+    """(..., seq, d) -> (batch, seq, d), what a tier takes: a view wherever the leading dims merge (a
+    (batch, heads, seq, d) slice of the model's projections does at batch 1), a copy otherwise. The tier copies
+    what its kernels cannot read in place (the portable tier: anything not contiguous)."""
+    if x.dim() == 3:
+        return x  # the common case skips a reshape: each costs about a microsecond of host time
+    return x.reshape(-1, *x.shape[-2:])
 
 
 def _forward(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, tier: str) -> tuple[Tensor, Tensor]:

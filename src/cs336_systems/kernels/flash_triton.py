@@ -1,7 +1,7 @@
 """FlashAttention-2 Triton kernels: forward (Algorithm 1) and an atomic-free backward (Algorithm 2, two passes).
 
-Tensors reach these kernels as contiguous (batch, seq, d), so every row stride is the constexpr D;
-`flash_attention.py` does the reshaping, validation and autograd plumbing. Conventions shared by all kernels:
+The kernels index contiguous (batch, seq, d) tensors, so every row stride is the constexpr D (the launchers copy
+a strided input); `flash_attention.py` does the reshaping, validation and autograd plumbing. Conventions shared by all kernels:
 
 - Scores are handled in base 2: s2 = (q . k) * scale * log2(e), so `exp2` replaces `exp` (one fewer multiply
   per score); the logsumexp L is stored in natural-log units, as the autograd contract requires.
@@ -543,7 +543,7 @@ _dq = CachedLaunch(flash_bwd_dq_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launchers: contiguous (batch, seq, d) tensors of one dtype.
+# Launchers: (batch, seq, d) tensors of one dtype (copied where not contiguous); outputs contiguous.
 # ----------------------------------------------------------------------------------------------------------
 def _tune_bucket(n: int) -> int:
     """Short (<= 1024), medium (<= 8192) and long sequences get their own autotuned tile configs."""
@@ -569,6 +569,7 @@ def flash_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (batch, N_q, d) in q's dtype and the logsumexp L (batch, N_q) in float32."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     batch, n_queries, d = q.shape
     o = torch.empty_like(q)
     lse = q.new_empty((batch, n_queries), dtype=torch.float32)
@@ -591,6 +592,7 @@ def flash_backward(
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L, without atomics."""
+    q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
     key = (q.dtype, batch, n_queries, n_keys, d, is_causal)

@@ -403,6 +403,10 @@ def bwd_preprocess_kernel(
     Lse2_ptr,
     Delta_ptr,
     dQacc_ptr,
+    stride_ob,
+    stride_os,
+    stride_dob,
+    stride_dos,
     N_QUERIES,
     N_PAD,
     D: gl.constexpr,
@@ -411,15 +415,17 @@ def bwd_preprocess_kernel(
 ):
     """Per query row: L log2(e) and Delta = rowsum(O * dO) into (batch, N_PAD) float32 buffers whose rows are
     16-byte aligned (TMA); padded rows get L = +inf (P = 0) and Delta = 0. Zeroes the row's dQ accumulator too
-    (one launch fewer than a memset)."""
+    (one launch fewer than a memset). O and dO: (batch, row) strides as given, unit stride along d."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     batch = gl.program_id(1).to(gl.int64)
     rows = gl.program_id(0) * ROWS + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
     cols = gl.arange(0, D, gl.SliceLayout(0, layout))
     in_bounds = rows < N_QUERIES
-    offs = (batch * N_QUERIES + rows)[:, None] * D + cols[None, :]
-    o = gl.load(O_ptr + offs, mask=in_bounds[:, None], other=0.0).to(gl.float32)
-    do = gl.load(dO_ptr + offs, mask=in_bounds[:, None], other=0.0).to(gl.float32)
+    offs = (batch * N_QUERIES + rows)[:, None] * D + cols[None, :]  # the dQ accumulator's (contiguous)
+    o_offs = batch * stride_ob + rows[:, None].to(gl.int64) * stride_os + cols[None, :]
+    do_offs = batch * stride_dob + rows[:, None].to(gl.int64) * stride_dos + cols[None, :]
+    o = gl.load(O_ptr + o_offs, mask=in_bounds[:, None], other=0.0).to(gl.float32)
+    do = gl.load(dO_ptr + do_offs, mask=in_bounds[:, None], other=0.0).to(gl.float32)
     lse = gl.load(L_ptr + batch * N_QUERIES + rows, mask=in_bounds, other=float("inf"))
     gl.store(Delta_ptr + batch * N_PAD + rows, gl.sum(o * do, 1), mask=rows < N_PAD)
     gl.store(Lse2_ptr + batch * N_PAD + rows, lse * LOG2E, mask=rows < N_PAD)

@@ -1,8 +1,10 @@
 """FlashAttention for Hopper (sm_90) in Gluon: TMA, mbarrier rings, warp specialisation and async wgmma.
 
-The contract is `flash_triton`'s: contiguous (batch, seq, d) Q, K, V (batch = batch * heads flattened), O in the
-input dtype and the logsumexp L (batch, N_q) in natural-log units, float32; causal masking top-left aligned
-(query i sees keys j <= i). `supports(...)` says where this tier runs: bf16 or fp16, head dim 64 or 128, a GPU
+The contract is `flash_triton`'s: (batch, seq, d) Q, K, V (batch = batch * heads flattened), O (contiguous) in
+the input dtype and the logsumexp L (batch, N_q) in natural-log units, float32; causal masking top-left aligned
+(query i sees keys j <= i). Inputs need not be contiguous: TMA reads any view whose rows are contiguous with
+16-byte aligned strides (the model's V, a slice of its QKV projection, and the dO of its output projection, both
+(heads, seq, d) views with rows `heads * d` or `3 * heads * d` apart), so only other layouts are copied. `supports(...)` says where this tier runs: bf16 or fp16, head dim 64 or 128, a GPU
 of capability (9, 0), gluon importable. Gluon is imported on first launch (the kernels live in `_kernels.py`),
 so importing this module never fails on a CPU-only machine.
 
@@ -206,27 +208,39 @@ def _descriptor(t: torch.Tensor, block_shape: tuple[int, ...]):
     )
 
 
-def _check(*tensors: torch.Tensor) -> None:
+def _tma_readable(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor can span `t` as it is: contiguous rows, a 16-byte aligned base and strides."""
+    size = t.element_size()
+    return (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(stride > 0 and stride * size % 16 == 0 for stride in t.stride()[:-1])
+    )
+
+
+def _prepared(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The (batch, seq, d) inputs as the kernels take them: themselves where TMA can read them, else copies."""
     q = tensors[0]
     for t in tensors:
-        if t.dim() != 3 or not t.is_contiguous():
-            raise ValueError(f"expected contiguous (batch, seq, d) tensors, got shape {tuple(t.shape)}")
+        if t.dim() != 3:
+            raise ValueError(f"expected (batch, seq, d) tensors, got shape {tuple(t.shape)}")
     if not supports(q.device, q.dtype, q.shape[-1], True):
         raise ValueError(
             f"the Hopper tier does not support {q.dtype}, head dim {q.shape[-1]} on {q.device} "
             f"(it takes {DTYPES}, head dims {HEAD_DIMS}, on a capability (9, 0) GPU)"
         )
+    return tuple(t if _tma_readable(t) else t.contiguous() for t in tensors)
 
 
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (batch, N_q, d) in q's dtype and the logsumexp L (batch, N_q) in float32, natural-log units."""
-    _check(q, k, v)
+    q, k, v = _prepared(q, k, v)
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
     cfg = forward_config(d, max(n_queries, n_keys), is_causal)
-    o = torch.empty_like(q)
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's strides
     lse = torch.empty((batch, n_queries), dtype=torch.float32, device=q.device)
     descriptors = _descriptor(q, (1, 64, d)), _descriptor(k, (1, cfg.bn, d)), _descriptor(v, (1, cfg.bn, d))
     _launch("flash_fwd_kernel")(
@@ -261,8 +275,7 @@ def backward(
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L; dQ through a float32 buffer."""
-    do = do.contiguous()
-    _check(q, k, v, o, do)
+    q, k, v, o, do = _prepared(q, k, v, o, do)
     lse = lse.contiguous()
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
@@ -273,13 +286,18 @@ def backward(
     delta = torch.empty_like(lse2)
     # dQ's float32 accumulator, zeroed by the preprocess kernel
     dq_accum = torch.empty((batch, n_queries, d), dtype=torch.float32, device=q.device)
+    # O's and dO's (batch, row) strides: scalars the compiled kernel is specialised on (16-divisibility), so keyed
+    strides = (*o.stride()[:2], *do.stride()[:2])
     _launch("bwd_preprocess_kernel")(
-        key,
+        (*key, strides),
         (math.ceil(n_pad / _PREPROCESS_ROWS), batch),
         (o, do, lse, lse2, delta, dq_accum),
-        lambda: {"N_QUERIES": n_queries, "N_PAD": n_pad, "D": d, "ROWS": _PREPROCESS_ROWS, "num_warps": 4},
+        lambda: {"stride_ob": strides[0], "stride_os": strides[1], "stride_dob": strides[2],
+                 "stride_dos": strides[3], "N_QUERIES": n_queries, "N_PAD": n_pad, "D": d,
+                 "ROWS": _PREPROCESS_ROWS, "num_warps": 4},  # fmt: skip
     )
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous whatever k's and v's strides
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     scale = 1.0 / math.sqrt(d)
     # the kernel's TMA descriptors, in its argument order (dQ's tiles are added to dq_accum by TMA reductions)
     tiles = ((k, (1, cfg.bn, d)), (v, (1, cfg.bn, d)), (q, (1, cfg.bm, d)), (do, (1, cfg.bm, d)),
@@ -303,7 +321,7 @@ def backward(
             "maxnreg": cfg.maxnreg,
         },
     )
-    dq = torch.empty_like(q)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = dq.numel()
     _launch("dq_convert_kernel")(
         key,
