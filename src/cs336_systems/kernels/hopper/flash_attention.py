@@ -292,9 +292,10 @@ def backward(
         (*key, strides),
         (math.ceil(n_pad / _PREPROCESS_ROWS), batch),
         (o, do, lse, lse2, delta, dq_accum),
-        lambda: {"stride_ob": strides[0], "stride_os": strides[1], "stride_dob": strides[2],
-                 "stride_dos": strides[3], "N_QUERIES": n_queries, "N_PAD": n_pad, "D": d,
-                 "ROWS": _PREPROCESS_ROWS, "num_warps": 4},  # fmt: skip
+        lambda: {
+            **dict(zip(("stride_ob", "stride_os", "stride_dob", "stride_dos"), strides, strict=True)),
+            **{"N_QUERIES": n_queries, "N_PAD": n_pad, "D": d, "ROWS": _PREPROCESS_ROWS, "num_warps": 4},
+        },
     )
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous whatever k's and v's strides
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
