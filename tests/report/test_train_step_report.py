@@ -518,9 +518,19 @@ def test_one_gpu_goals_and_the_layer_that_would_meet_the_step_goal(tmp_path):
     assert "Ours meets 0 of the 2 one-GPU goals." in text
     assert (
         "would have to take ((4.2 s − its 200.0 ms intercept) / 34 =) at most 117.6 ms, 12.4 ms less than it "
-        "does. The fastest layer in this run takes 120.0 ms (PyTorch-native stack), 2.4 ms above that bound."
+        "does. The fastest layer measured takes 120.0 ms (PyTorch-native stack), 2.4 ms above that bound."
         in text
     )
+    # the two stacks measured in different runs: the layer comparison is not judged, the fastest names its run
+    text = train_step.goal_text(
+        fits.set_index("stack"), commit={"ours": "aaa on GPU 1", "native": "aaa on GPU 2"}
+    )
+    assert goal(text, "per-layer time")[1:] == ["130.0 ms", "120.0 ms", "not judged"]
+    assert (
+        "Ours meets 0 of the 2 one-GPU goals; 1 is not judged: ours and the native stack were measured"
+        in text
+    )
+    assert "takes 120.0 ms (PyTorch-native stack, measured at aaa on GPU 2), 2.4 ms above" in text
     fits.loc[0, "per_layer_ms"], fits.loc[0, "step_ms"] = 115.0, 200.0 + 34 * 115.0  # 4.11 s: both goals met
     text = train_step.goal_text(fits.set_index("stack"))
     assert "Ours meets 2 of the 2 one-GPU goals." in text and "would have to take" not in text
@@ -619,6 +629,7 @@ def test_pieces_measured_at_different_commits_are_not_compared():
     assert "head + loss, against PyTorch's chunked one:" not in text
     assert "Not compared, measured at different commits or on different GPUs" in text
     assert "(ours at new, the other at old)" in text
+    assert "Fastest extrapolated step: ours with SDPA's attention, 4.35 s (55.0% MFU), measured at new." in text
 
 
 def test_one_commit_on_two_gpus_is_two_runs():
