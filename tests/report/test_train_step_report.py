@@ -629,7 +629,9 @@ def test_pieces_measured_at_different_commits_are_not_compared():
     assert "head + loss, against PyTorch's chunked one:" not in text
     assert "Not compared, measured at different commits or on different GPUs" in text
     assert "(ours at new, the other at old)" in text
-    assert "Fastest extrapolated step: ours with SDPA's attention, 4.35 s (55.0% MFU), measured at new." in text
+    assert (
+        "Fastest extrapolated step: ours with SDPA's attention, 4.35 s (55.0% MFU), measured at new." in text
+    )
 
 
 def test_one_commit_on_two_gpus_is_two_runs():

@@ -1,7 +1,8 @@
 """FlashAttention-2 Triton kernels: forward (Algorithm 1) and an atomic-free backward (Algorithm 2, two passes).
 
 The kernels index contiguous (batch, seq, d) tensors, so every row stride is the constexpr D (the launchers copy
-a strided input); `flash_attention.py` does the reshaping, validation and autograd plumbing. Conventions shared by all kernels:
+a strided input); `flash_attention.py` does the reshaping, validation and autograd plumbing. Conventions shared
+by all kernels:
 
 - Scores are handled in base 2: s2 = (q . k) * scale * log2(e), so `exp2` replaces `exp` (one fewer multiply
   per score); the logsumexp L is stored in natural-log units, as the autograd contract requires.

@@ -4,9 +4,10 @@ The contract is `flash_triton`'s: (batch, seq, d) Q, K, V (batch = batch * heads
 the input dtype and the logsumexp L (batch, N_q) in natural-log units, float32; causal masking top-left aligned
 (query i sees keys j <= i). Inputs need not be contiguous: TMA reads any view whose rows are contiguous with
 16-byte aligned strides (the model's V, a slice of its QKV projection, and the dO of its output projection, both
-(heads, seq, d) views with rows `heads * d` or `3 * heads * d` apart), so only other layouts are copied. `supports(...)` says where this tier runs: bf16 or fp16, head dim 64 or 128, a GPU
-of capability (9, 0), gluon importable. Gluon is imported on first launch (the kernels live in `_kernels.py`),
-so importing this module never fails on a CPU-only machine.
+(heads, seq, d) views with rows `3 * heads * d` or `heads * d` apart), so only other layouts are copied.
+`supports(...)` says where this tier runs: bf16 or fp16, head dim 64 or 128, a GPU of capability (9, 0), gluon
+importable. Gluon is imported on first launch (the kernels live in `_kernels.py`), so importing this module never
+fails on a CPU-only machine.
 
 Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
 
