@@ -64,3 +64,22 @@ def test_the_writeup_names_each_failure_and_counts_the_rest(tmp_path):
     assert "| tests/kernels/test_flash_hopper.py |" in text
     assert "**1 failed**: `tests.kernels.test_flash_hopper::test_b`" in text
     assert "1 skipped: needs a CUDA GPU of capability (9, 0)" in text
+
+
+def test_the_writeup_names_timings_from_other_commits(tmp_path):
+    results = tmp_path / "results"
+    for deliverable, commit in (("gpu_tests", "new"), ("flash_peers", "old"), ("flash_peers", "new")):
+        (results / deliverable).mkdir(parents=True, exist_ok=True)
+        name = f"{deliverable}/{commit}"
+        row = {"test": "t", "file": "f", "outcome": "passed", "message": "", "status": "ok"}
+        pd.DataFrame([row]).to_csv(results / f"{name}.csv", index=False)
+        provenance = {"device_name": "NVIDIA H100", "device_count": 1, "torch": "2.11", "git_commit": commit,
+                      "timestamp": "t"}  # fmt: skip
+        (results / f"{name}.json").write_text(json.dumps({"provenance": provenance, "params": {}}))
+    text = flash_peers.gpu_tests(Context("gpu", results, tmp_path))
+    assert (
+        "All 1 tests that ran passed. The timings below were measured at old, not at the commit tested"
+        in text
+    )
+    (results / "flash_peers/old.csv").unlink()
+    assert "timings below" not in flash_peers.gpu_tests(Context("gpu", results, tmp_path))

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from cs336_systems.report.context import Context, reason_if_not_run
-from cs336_systems.report.formatting import md, provenance_line, text_md
+from cs336_systems.report.formatting import commit_text, md, provenance_line, text_md
 from cs336_systems.report.sections.flash import (
     CHECKED_ABOVE,
     INTERPRETED_ONLY,
@@ -73,8 +73,24 @@ def gpu_tests(ctx: Context) -> str:
             "",
             md(counts.reset_index()),
             "",
-            f"{verdict}." + (f" {why}." if why else ""),
+            f"{verdict}." + (f" {why}." if why else "") + timed_elsewhere(ctx, metas),
         ]
+    )
+
+
+def timed_elsewhere(ctx: Context, tested: list[dict]) -> str:
+    """A sentence naming the commits of the timings below that are not the tests' (each timing times the kernels
+    of its own commit); nothing when they agree or there are no timings."""
+    timed = ctx.table("flash_peers")
+    if timed is None:
+        return ""
+    tested_at = {commit_text(m["provenance"]) for m in tested}
+    timed_at = sorted({commit_text(m["provenance"]) for m in timed[1]} - tested_at)
+    if not timed_at:
+        return ""
+    return (
+        f" The timings below were measured at {', '.join(timed_at)}, not at the commit tested here: each times the "
+        "kernels of its own commit."
     )
 
 
