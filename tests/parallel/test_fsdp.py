@@ -33,6 +33,7 @@ CASES_AT = {
     2: [
         *("equality", "frozen", "compute_dtype", "prefetch", "transformer", "tied", "anomaly"),
         *("units", "partly_used", "bf16", "meta", "protocol", "protocol_low_precision", "exact_transformer"),
+        "lifetime",
     ],
     3: [
         *("equality", "frozen", "units", "partly_used", "bf16", "meta", "protocol", "protocol_low_precision"),
@@ -103,6 +104,10 @@ def test_compute_dtype_prefetch_rule_our_transformer_tied_weights_and_anomaly_mo
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_block_units_a_partly_used_unit_and_bf16_weights(launched, world_size: int):
     assert_cases_pass(launched(world_size), world_size, "units", "partly_used", "bf16")
+
+
+def test_grouped_collectives_hold_their_tensors_until_waited(launched):
+    assert_cases_pass(launched(2), 2, "lifetime")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

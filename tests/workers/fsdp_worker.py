@@ -11,9 +11,11 @@ assignment's test does where a GPU is present).
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -21,7 +23,7 @@ from torch import nn
 
 from cs336_systems import adapters
 from cs336_systems.parallel import fsdp as fsdp_module
-from cs336_systems.parallel.distributed import distributed
+from cs336_systems.parallel.distributed import all_gather_coalesced, distributed, reduce_scatter_coalesced
 from cs336_systems.parallel.fsdp import FullyShardedDataParallel
 
 VOCAB, D, HIDDEN, SEQ = 37, 13, 19, 6  # none divisible by 2, 3 or 4: every shard is padded somewhere
@@ -695,6 +697,35 @@ def torch_nn_bf16() -> None:
         )
 
 
+def grouped_collectives_hold_their_tensors() -> None:
+    """A started group of collectives keeps its tensors alive until wait() returns, though the caller drops them
+    (as FSDP drops a unit's padded gradients once their reduce-scatter starts): gloo's coalesced work does not, and
+    freed inputs were seen reallocated while the collective could still read them."""
+    world, rank, n = dist.get_world_size(), dist.get_rank(), 1000
+    for start, in_size, out_size in (
+        (reduce_scatter_coalesced, world * n, n),
+        (all_gather_coalesced, n, world * n),
+    ):
+        inputs = [torch.full((in_size,), float(rank + 1)) for _ in range(3)]
+        outputs = [torch.empty(out_size) for _ in range(3)]
+        refs = [weakref.ref(t) for t in inputs]
+        options = {"op": dist.ReduceOp.SUM} if start is reduce_scatter_coalesced else {}
+        work = start(outputs, inputs, **options)
+        del inputs
+        gc.collect()
+        assert all(ref() is not None for ref in refs), f"{start.__name__}: inputs freed before the wait"
+        work.wait()
+        del work
+        gc.collect()
+        assert all(ref() is None for ref in refs), f"{start.__name__}: inputs outlived their collectives"
+        if start is reduce_scatter_coalesced:
+            expected = [torch.full((n,), world * (world + 1) / 2)] * 3
+        else:
+            expected = [torch.arange(1, world + 1).float().repeat_interleave(n)] * 3
+        for out, exp in zip(outputs, expected, strict=True):
+            torch.testing.assert_close(out, exp, rtol=0, atol=0)
+
+
 CASES = {
     "equality": lambda: [
         train_against_reference(name, exact=exact) for name in OPTIMIZERS for exact in (False, True)
@@ -717,6 +748,7 @@ CASES = {
     "torch_nn_bf16": torch_nn_bf16,
     "exact_transformer": lambda: block_units(exact=True),
     "exact_refusals": exact_refusals,
+    "lifetime": grouped_collectives_hold_their_tensors,
 }
 
 

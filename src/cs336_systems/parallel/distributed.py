@@ -48,7 +48,7 @@ def reduce_scatter_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Ten
     return _grouped(reduce_scatter_flat, outputs, inputs, op=op)
 
 
-def _grouped(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], **options):
+def _grouped(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], **options) -> PendingGroup:
     """c10d's coalescing manager (private API, but the one way torch offers to group flat collectives without
     copying them into one buffer first). gloo groups CPU tensors only, so on gloo CUDA tensors go one by one."""
     c10d = dist.distributed_c10d
@@ -57,11 +57,24 @@ def _grouped(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor]
         group = c10d._CoalescingManager()
         for output, input_ in pairs:
             group.append(collective(output, input_, async_op=True, **options))
-        return group
+        return PendingGroup(group, (outputs, inputs))
     with c10d._coalescing_manager(async_ops=True) as group:
         for output, input_ in pairs:
             collective(output, input_, async_op=True, **options)
-    return group
+    return PendingGroup(group, (outputs, inputs))
+
+
+class PendingGroup:
+    """A started group of collectives that holds their tensors until wait() returns. gloo's coalesced work does
+    not (a reduce-scatter's inputs, dropped by the caller, were seen reallocated before the wait: the collective
+    would read, or write, freed memory; one such CPU run aborted with a corrupted heap)."""
+
+    def __init__(self, work, tensors: tuple):
+        self._work, self._tensors = work, tensors
+
+    def wait(self) -> None:
+        self._work.wait()
+        self._tensors = None
 
 
 @dataclass(frozen=True)
