@@ -49,6 +49,7 @@ def render(ctx: Context) -> str:
     stacks = list(dict.fromkeys(cells["stack"]))
     on_cuda = bool(cells["peak_mib"].notna().any())
     gpu = on_gpu(metas)  # a run without one has no allocator peak, and runs our kernels in the interpreter
+    commit = stack_commits(metas)
     timing = (
         f"`triton.testing.do_bench` median over {p.get('rep_ms')} ms after {p.get('warmup_ms')} ms of warm-up"
         if on_cuda
@@ -78,7 +79,7 @@ def render(ctx: Context) -> str:
             part
             for text in (
                 updates_lost(cells),
-                optimizer_worth(cells, stack_commits(metas)),
+                optimizer_worth(cells, commit),
                 memory_text(cells, stacks),
             )
             if text
@@ -93,9 +94,9 @@ def render(ctx: Context) -> str:
             "",
             text_md(fit_table(fits, stacks)),
             "",
-            worth_sentences(fits, cells, stack_commits(metas)),
+            worth_sentences(fits, cells, commit),
             "",
-            goal_text(fits, on_gpu=gpu, commit=stack_commits(metas)),
+            goal_text(fits, on_gpu=gpu, commit=commit),
         ]
     later = (
         cold_text(ctx, fits, commits(metas)),
@@ -760,24 +761,25 @@ def goal_text(fits: pd.DataFrame, on_gpu: bool = True, commit: dict[str, str] | 
             ),
         )
     table = pd.DataFrame(rows, columns=["goal (one GPU)", "ours", "bound", "result"])
-    met, unjudged = (table["result"] == "pass").sum(), (table["result"] == "not judged").sum()
-    judged = (
-        f"; {unjudged} is not judged: ours and the native stack were measured in different runs"
-        if unjudged
-        else ""
-    )
     return "\n\n".join(
         part
         for part in (
             text_md(table),
-            f"Ours meets {met} of the {len(table)} one-GPU goals{judged}.",
+            goals_met(table, "one-GPU", why="ours and the native stack were measured in different runs"),
             layer_needed(fits, commit),
         )
         if part
     )
 
 
-def layer_needed(fits: pd.DataFrame, commit: dict[str, str] | None = None) -> str | None:
+def goals_met(table: pd.DataFrame, which: str, why: str = "") -> str:
+    """ "Ours meets N of the M <which> goals", with how many are not judged (and `why`, where given)."""
+    met, unjudged = (table["result"] == "pass").sum(), (table["result"] == "not judged").sum()
+    judged = f"; {unjudged} is not judged" + (f": {why}" if why else "") if unjudged else ""
+    return f"Ours meets {met} of the {len(table)} {which} goals{judged}."
+
+
+def layer_needed(fits: pd.DataFrame, commit: dict[str, str]) -> str | None:
     """Where ours misses the step goal: the per-layer time that would meet it at our stack's intercept, against
     our stack's and the fastest layer any stack of the table measured (naming its run where the table spans
     several: `commit`, by stack)."""
@@ -792,7 +794,7 @@ def layer_needed(fits: pd.DataFrame, commit: dict[str, str] | None = None) -> st
         f"To meet {GOAL_STEP_S} s at {layers} layers, our stack's layer would have to take (({GOAL_STEP_S} s − its "
         f"{ours['intercept_ms']:,.1f} ms intercept) / {layers} =) at most {needed:,.1f} ms, "
         f"{ours['per_layer_ms'] - needed:,.1f} ms less than it does. The fastest layer measured takes "
-        f"{fastest_ms:,.1f} ms ({LABEL.get(fastest, fastest)}{measured_at(fastest, commit or {})}), "
+        f"{fastest_ms:,.1f} ms ({LABEL.get(fastest, fastest)}{measured_at(fastest, commit)}), "
         f"{abs(fastest_ms - needed):,.1f} ms "
         f"{'above' if fastest_ms > needed else 'within'} that bound."
     )
@@ -1144,11 +1146,7 @@ def sharded_goal_text(cells: pd.DataFrame, overheads: pd.DataFrame | None = None
             )
         )
     table = pd.DataFrame(rows, columns=["goal (two GPUs)", "ours", "bound", "result"])
-    met, unjudged = (table["result"] == "pass").sum(), (table["result"] == "not judged").sum()
-    judged = f"; {unjudged} is not judged" if unjudged else ""
-    return "\n\n".join(
-        [text_md(table), f"Ours meets {met} of the {len(table)} two-GPU goals{judged}.", *notes]
-    )
+    return "\n\n".join([text_md(table), goals_met(table, "two-GPU"), *notes])
 
 
 def against_native(cells: pd.DataFrame, unit: str) -> str:
