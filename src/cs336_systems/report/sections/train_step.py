@@ -773,7 +773,7 @@ def goal_text(fits: pd.DataFrame, on_gpu: bool = True, commit: dict[str, str] | 
 
 
 def goals_met(table: pd.DataFrame, which: str, why: str = "") -> str:
-    """ "Ours meets N of the M <which> goals", with how many are not judged (and `why`, where given)."""
+    """The sentence "Ours meets N of the M <which> goals", with how many are not judged (and `why`, if given)."""
     met, unjudged = (table["result"] == "pass").sum(), (table["result"] == "not judged").sum()
     judged = f"; {unjudged} is not judged" + (f": {why}" if why else "") if unjudged else ""
     return f"Ours meets {met} of the {len(table)} {which} goals{judged}."
