@@ -60,8 +60,9 @@ def test_every_stack_trains_as_the_plain_model(stack: str):
 
 @pytest.mark.parametrize(
     ("stack", "compiled"),
-    [("plain_fsdp", False), ("native_fsdp", False), ("ours_fsdp", False), ("ours_fsdp", True)],
-)
+    [("plain_fsdp", False), ("native_fsdp", False), ("ours_fsdp", False), ("ours_fsdp", True),
+     ("ours_fsdp_chunked_head", False), ("ours_fsdp_torch_adamw", False)],
+)  # fmt: skip
 def test_sharded_stacks_train_as_the_unsharded_ones(stack: str, compiled: bool):
     """Two ranks (gloo), each on its own sequence, against the same stack unsharded on both sequences
     (tests/workers/train_step_worker.py): the initial weights and buffers (the sharded model built on the meta

@@ -161,6 +161,25 @@ STACKS = {
         optimizer="ours",
         sharding="ours",
     ),
+    # what our other pieces are worth at the leaderboard's scale: each replaced by PyTorch's, the rest of ours kept
+    "ours_fsdp_chunked_head": Stack(
+        "ours under our FSDP with PyTorch's chunked head",
+        "flash_triton",
+        "chunked",
+        "selective",
+        compile_blocks=True,
+        optimizer="ours",
+        sharding="ours",
+    ),
+    "ours_fsdp_torch_adamw": Stack(
+        "ours under our FSDP with torch.optim.AdamW(fused=True)",
+        "flash_triton",
+        "fused",
+        "selective",
+        compile_blocks=True,
+        optimizer="torch_fused",
+        sharding="ours",
+    ),
 }
 SHARDINGS = ("none", "ours", "fsdp2")
 

@@ -25,6 +25,15 @@ OPTIMIZER = {
     "torch_fused": "torch.optim.AdamW(fused=True)",
     "ours": "our Triton AdamW",
 }
+# Our pieces, each against the stack that replaces it by PyTorch's (or drops it), the rest of ours the same: the
+# variant's name less "ours_" (one GPU: ours_<piece>; sharded: ours_fsdp_<piece>, against ours_fsdp).
+PIECES = (
+    ("sdpa", "Our FlashAttention, against SDPA's"),
+    ("chunked_head", "Our fused head + loss, against PyTorch's chunked one"),
+    ("torch_adamw", "Our AdamW kernel, against torch.optim.AdamW(fused=True)"),
+    ("no_checkpoint", "Selective checkpointing, against none"),
+    ("fp32_master", "bf16 weights, gradients and AdamW state, against float32 master weights"),
+)
 # One-GPU goals of the issue: our step extrapolated to the leaderboard's depth, and per layer against the native
 # stack measured in the same run.
 GOAL_STEP_S = 4.2
@@ -627,13 +636,8 @@ def worth_sentences(fits: pd.DataFrame, cells: pd.DataFrame, commit: dict[str, s
         ours = fits.loc["ours"]
         deepest = int(cells["num_layers"].max())
         peak = cells[cells["num_layers"] == deepest].set_index("stack")["peak_mib"] / 1024
-        for variant, piece in (
-            ("ours_sdpa", "Our FlashAttention, against SDPA's"),
-            ("ours_chunked_head", "Our fused head + loss, against PyTorch's chunked one"),
-            ("ours_torch_adamw", "Our AdamW kernel, against torch.optim.AdamW(fused=True)"),
-            ("ours_no_checkpoint", "Selective checkpointing, against none"),
-            ("ours_fp32_master", "bf16 weights, gradients and AdamW state, against float32 master weights"),
-        ):
+        for suffix, piece in PIECES:
+            variant = f"ours_{suffix}"
             if variant not in fits.index:
                 continue
             if commit.get("ours") != commit.get(variant):
@@ -889,27 +893,35 @@ def sharded_text(ctx: Context) -> str:
         "",
         against_native(cells, unit),
         "",
-        attention_worth(cells),
+        pieces_worth(cells),
         "",
         whole_layers_text(ctx, cells),
     ]
     return "\n".join(part for part in out if part is not None)
 
 
-def attention_worth(cells: pd.DataFrame) -> str:
-    """Our FlashAttention against SDPA's inside the sharded step (ours_fsdp against ours_fsdp_sdpa), per depth."""
-    ok = cells[cells["status"] == "ok"].set_index(["stack", "world_size", "num_layers"])["step_ms"]
-    parts = []
-    for (stack, world, layers), ours in ok.items():
-        other = ok.get(("ours_fsdp_sdpa", world, layers))
-        if stack == "ours_fsdp" and other is not None:
-            parts.append(
-                f"{signed((ours - other) / 1e3, '.2f')} s per step at {layers} layers on {world} ranks "
-                f"({ours / other - 1:+.1%})".replace("-", "−")
+def pieces_worth(cells: pd.DataFrame) -> str:
+    """What each of our pieces is worth inside the sharded step: ours_fsdp against ours_fsdp_<piece> (PIECES) in
+    the same job, per depth and world size: step time and peak per GPU."""
+    ok = cells[cells["status"] == "ok"].set_index(["stack", "world_size", "num_layers"])
+    sentences = []
+    for suffix, piece in PIECES:
+        parts = []
+        for (stack, world, layers), ours in ok.iterrows():
+            if stack != "ours_fsdp" or ("ours_fsdp_" + suffix, world, layers) not in ok.index:
+                continue
+            other = ok.loc[("ours_fsdp_" + suffix, world, layers)]
+            text = (
+                f"{signed((ours['step_ms'] - other['step_ms']) / 1e3, '.2f')} s per step at {layers} layers on "
+                f"{world} ranks ({signed(100 * (ours['step_ms'] / other['step_ms'] - 1))}%)"
             )
-    return (
-        f"Our FlashAttention against SDPA's, the rest of ours the same: {'; '.join(parts)}." if parts else ""
-    )
+            if pd.notna(ours.get("peak_mib")) and pd.notna(other.get("peak_mib")):
+                peak = "peak since build" if since_build(cells) else "peak"
+                text += f", {peak} per GPU {signed((ours['peak_mib'] - other['peak_mib']) / 1024)} GiB"
+            parts.append(text)
+        if parts:
+            sentences.append(f"{piece}, the rest of ours the same: {'; '.join(parts)}.")
+    return "\n\n".join(sentences)
 
 
 def listed(values: pd.Series) -> str:
