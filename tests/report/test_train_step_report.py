@@ -531,27 +531,31 @@ def test_one_gpu_goals_and_the_layer_that_would_meet_the_step_goal(tmp_path):
         ]
     )
     text = train_step.goal_text(fits.set_index("stack"))
-    assert goal(text, "per-layer time")[1:] == ["130.0 ms", "120.0 ms", "FAIL"]
+    assert goal(text, "per-layer time ≤ the native")[1:] == ["130.0 ms", "120.0 ms", "FAIL"]
+    assert goal(text, "per-layer time ≤ 0.92 ×")[1:] == ["130.0 ms", "110.4 ms", "FAIL"]
     assert goal(text, "34-layer step")[1:] == ["4.62 s", "≤ 4.2 s", "FAIL"]
-    assert "Ours meets 0 of the 2 one-GPU goals." in text
+    assert "Ours meets 0 of the 3 one-GPU goals." in text
     assert (
         "would have to take ((4.2 s − its 200.0 ms intercept) / 34 =) at most 117.6 ms, 12.4 ms less than it "
         "does. The fastest layer measured takes 120.0 ms (PyTorch-native stack), 2.4 ms above that bound."
         in text
     )
-    # the two stacks measured in different runs: the layer comparison is not judged, the fastest names its run
+    # the two stacks measured in different runs: the layer comparisons are not judged, the fastest names its run
     text = train_step.goal_text(
         fits.set_index("stack"), commit={"ours": "aaa on GPU 1", "native": "aaa on GPU 2"}
     )
-    assert goal(text, "per-layer time")[1:] == ["130.0 ms", "120.0 ms", "not judged"]
+    assert goal(text, "per-layer time ≤ the native")[1:] == ["130.0 ms", "120.0 ms", "not judged"]
+    assert goal(text, "per-layer time ≤ 0.92 ×")[1:] == ["130.0 ms", "110.4 ms", "not judged"]
     assert (
-        "Ours meets 0 of the 2 one-GPU goals; 1 is not judged: ours and the native stack were measured"
+        "Ours meets 0 of the 3 one-GPU goals; 2 are not judged: ours and the native stack were measured"
         in text
     )
     assert "takes 120.0 ms (PyTorch-native stack, measured at aaa on GPU 2), 2.4 ms above" in text
-    fits.loc[0, "per_layer_ms"], fits.loc[0, "step_ms"] = 115.0, 200.0 + 34 * 115.0  # 4.11 s: both goals met
+    fits.loc[0, "per_layer_ms"], fits.loc[0, "step_ms"] = 115.0, 200.0 + 34 * 115.0  # 4.11 s, not 8 % faster
     text = train_step.goal_text(fits.set_index("stack"))
-    assert "Ours meets 2 of the 2 one-GPU goals." in text and "would have to take" not in text
+    assert "Ours meets 2 of the 3 one-GPU goals." in text and "would have to take" not in text
+    fits.loc[0, "per_layer_ms"], fits.loc[0, "step_ms"] = 110.0, 200.0 + 34 * 110.0  # ≤ 0.92 × 120 ms too
+    assert "Ours meets 3 of the 3 one-GPU goals." in train_step.goal_text(fits.set_index("stack"))
 
 
 def one_gpu_fits(tmp_path: Path, steps_s: dict[str, float], monkeypatch, commit: str) -> None:
