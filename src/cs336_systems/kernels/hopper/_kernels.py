@@ -32,6 +32,13 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     )
 
 
+# dQ's float32 tile in shared memory is unswizzled, as its TMA reduction reads it, but written from the wgmma layout
+# with row r's 8-column groups permuted (column c at c ^ 8 (r % 4)), so that a warp's 8 rows of 8 columns spread
+# over the banks; the dQ accumulator in global memory holds each row so permuted, and dq_convert_kernel undoes it.
+# (Stored into the 128-byte-swizzled tile TMA would otherwise use, the stores took 3x the shared-memory wavefronts.)
+DQ_STORE_LAYOUT: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
+
+
 @gluon.constexpr_function
 def mma_layout(num_warps, n):
     """The wgmma accumulator layout of an (M x n) tile: warps stacked along M (16 rows per warp, 64 per
@@ -331,7 +338,7 @@ def _bwd_mma(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k, dq_zero, use_acc=False, is_async=True)
         dv, p_op, dk, ds_op, dq = warpgroup_mma_wait(0, deps=(dv, p_op, dk, ds_op, dq))
         mbarrier.arrive(qdo_empty.index(stage))
-        dq_smem.index(i % 2).reshape([BM, D]).store(dq)
+        dq_smem.index(i % 2).reshape([BM, D])._reinterpret(gl.float32, [BM, D], DQ_STORE_LAYOUT).store(dq)
     if n_tiles > 0:  # the last tile's dQ
         fence_async_shared()
         gl.thread_barrier()
@@ -433,10 +440,21 @@ def bwd_preprocess_kernel(
 
 
 @gluon.jit
-def dq_convert_kernel(dQacc_ptr, dQ_ptr, N_ELEMENTS, scale, BLOCK: gl.constexpr, num_warps: gl.constexpr):
-    """dQ = scale * the float32 accumulator, in dQ's dtype."""
+def dq_convert_kernel(
+    dQacc_ptr,
+    dQ_ptr,
+    N_ELEMENTS,
+    N_QUERIES,
+    scale,
+    D: gl.constexpr,
+    BLOCK: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """dQ = scale * the float32 accumulator, in dQ's dtype; the accumulator's rows hold their columns as
+    DQ_STORE_LAYOUT permuted them (column c of row r at c ^ 8 (r % 4): XOR within 32 columns, D a multiple of 32)."""
     layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
     offs = gl.program_id(0).to(gl.int64) * BLOCK + gl.arange(0, BLOCK, layout)
     mask = offs < N_ELEMENTS
-    dq = gl.load(dQacc_ptr + offs, mask=mask) * scale
+    row = (offs // D) % N_QUERIES  # the row within its sequence: tiles start at multiples of 64
+    dq = gl.load(dQacc_ptr + (offs ^ ((row % 4) * 8)), mask=mask) * scale
     gl.store(dQ_ptr + offs, dq.to(dQ_ptr.dtype.element_ty), mask=mask)

@@ -32,8 +32,10 @@ Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
   dV in registers, and dQ = dS K by a wgmma reading dS from shared memory. Each query
   tile's dQ goes from registers to one of two shared-memory buffers, and the next tile issues a TMA reduce-add
   of it into a float32 buffer (FA3's reduction; Gluon 3.6 has the builder's op, wrapped here as
-  `tma_reduce_add`), so the TMA unit adds dQ while the tensor cores run the next tile; the float32 buffer is
-  converted (times the softmax scale) to the input dtype at the end. A small Gluon kernel first writes
+  `tma_reduce_add`), so the TMA unit adds dQ while the tensor cores run the next tile. The buffers are
+  unswizzled and each row's columns permuted as the registers write them without bank conflicts
+  (`_kernels.DQ_STORE_LAYOUT`); the float32 buffer is converted (times the softmax scale, the permutation undone)
+  to the input dtype at the end. A small Gluon kernel first writes
   L log2(e) and Delta = rowsum(O * dO) into padded rows (TMA needs 16-byte aligned rows; padded queries get
   L = +inf, so their P is 0 without a mask) and zeroes the dQ buffer.
 - Launches: after a shape's first, each kernel is launched from `flash_triton.CachedLaunch` (the compiled kernel's
@@ -193,10 +195,12 @@ def clear_launch_cache() -> None:
 def _smem_layout(dtype: torch.dtype, block_shape: tuple[int, ...]):
     from triton.experimental.gluon import language as gl
 
-    if dtype == torch.float32 and len(block_shape) == 2:  # the rows of L and Delta: 1-D per tile, no swizzle
-        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    # Q, K, V, dO tiles (MMA operands) and dQ's float32 tiles (written from registers, read by TMA): swizzled
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    # float32: the rows of L and Delta (1-D per tile), and dQ's tiles, which the kernel writes from registers in
+    # its own bank-spreading order (_kernels.DQ_STORE_LAYOUT) and TMA reads as they lie: no swizzle
+    if dtype == torch.float32:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=len(block_shape))
+    # Q, K, V, dO tiles (MMA operands): swizzled
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype)
 
 
@@ -329,6 +333,13 @@ def backward(
         key,
         (math.ceil(n / _CONVERT_BLOCK),),
         (dq_accum, dq),
-        lambda: {"N_ELEMENTS": n, "scale": scale, "BLOCK": _CONVERT_BLOCK, "num_warps": 4},
+        lambda: {
+            "N_ELEMENTS": n,
+            "N_QUERIES": n_queries,
+            "scale": scale,
+            "D": d,
+            "BLOCK": _CONVERT_BLOCK,
+            "num_warps": 4,
+        },  # fmt: skip
     )
     return dq, dk, dv
