@@ -79,18 +79,28 @@ def gpu_tests(ctx: Context) -> str:
 
 
 def timed_elsewhere(ctx: Context, tested: list[dict]) -> str:
-    """A sentence naming the commits of the timings below that are not the tests' (each timing times the kernels
-    of its own commit); nothing when they agree or there are no timings."""
+    """A sentence naming the tables of the timings below measured at another commit than the tests' (each timing
+    times the kernels of its own commit), by commit; nothing when they agree or there are no timings."""
     timed = ctx.table("flash_peers")
     if timed is None:
         return ""
     tested_at = {commit_text(m["provenance"]) for m in tested}
-    timed_at = sorted({commit_text(m["provenance"]) for m in timed[1]} - tested_at)
-    if not timed_at:
+    elsewhere: dict[str, list[str]] = {}
+    for meta in timed[1]:
+        if (commit := commit_text(meta["provenance"])) not in tested_at:
+            params = meta.get("params", {})
+            table = (
+                f"{mask(params['causal'])} d {'/'.join(map(str, params['d_heads']))}"
+                if {"causal", "d_heads"} <= params.keys()
+                else "a table"
+            )
+            elsewhere.setdefault(commit, []).append(table)
+    if not elsewhere:
         return ""
+    which = "; ".join(f"{', '.join(tables)} at {commit}" for commit, tables in sorted(elsewhere.items()))
     return (
-        f" The timings below were measured at {', '.join(timed_at)}, not at the commit tested here: each times the "
-        "kernels of its own commit."
+        f" Timings below measured at another commit than the one tested here (each times the kernels of its own "
+        f"commit): {which}."
     )
 
 
