@@ -340,6 +340,6 @@ def backward(
             "D": d,
             "BLOCK": _CONVERT_BLOCK,
             "num_warps": 4,
-        },  # fmt: skip
+        },
     )
     return dq, dk, dv
