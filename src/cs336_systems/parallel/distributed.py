@@ -7,6 +7,7 @@ Launch every multi-process entry point through the launcher (`how_to_launch`), w
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import sys
@@ -65,9 +66,10 @@ def _grouped(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor]
 
 
 class PendingGroup:
-    """A started group of collectives that holds their tensors until wait() returns. gloo's coalesced work does
-    not (a reduce-scatter's inputs, dropped by the caller, were seen reallocated before the wait: the collective
-    would read, or write, freed memory; one such CPU run aborted with a corrupted heap)."""
+    """A started group of collectives that holds their tensors until wait() returns, so that none can outlive
+    its tensors whatever the backend keeps: gloo's coalesced reduce-scatter keeps clones of its inputs, not the
+    inputs (a caller's dropped inputs were seen reallocated before the wait; harmless there, since it reads the
+    clones), its all-gather keeps its tensors."""
 
     def __init__(self, work, tensors: tuple):
         self._work, self._tensors = work, tensors
@@ -163,6 +165,9 @@ def distributed(backend: str | None = None, timeout_s: float = 300.0) -> Iterato
         print(f"error: this runs as the ranks of a process group: {how_to_launch()}", file=sys.stderr)
         sys.exit(2)
     rank = os.environ.get("RANK", "?")
+    # A rank killed by a signal (SIGABRT from a corrupted heap, SIGSEGV) prints every thread's Python stack to
+    # its log first: a rare abort of the CPU smoke run's FSDP job was seen without one.
+    faulthandler.enable(all_threads=True)
     try:
         ctx = setup_distributed(backend, timeout_s)
         yield ctx
