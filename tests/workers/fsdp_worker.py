@@ -699,8 +699,8 @@ def torch_nn_bf16() -> None:
 
 def grouped_collectives_hold_their_tensors() -> None:
     """A started group of collectives keeps its tensors alive until wait() returns, though the caller drops them
-    (as FSDP drops a unit's padded gradients once their reduce-scatter starts): gloo's coalesced work does not, and
-    freed inputs were seen reallocated while the collective could still read them."""
+    (as FSDP drops a unit's padded gradients once their reduce-scatter starts), whatever the backend keeps (gloo's
+    reduce-scatter keeps clones of its inputs, not the inputs)."""
     world, rank, n = dist.get_world_size(), dist.get_rank(), 1000
     for start, in_size, out_size in (
         (reduce_scatter_coalesced, world * n, n),

@@ -745,29 +745,29 @@ def goal_text(fits: pd.DataFrame, on_gpu: bool = True, commit: dict[str, str] | 
             "kernels."
         )
     ours = fits.loc["ours"]
-    rows = [
-        (
-            "34-layer step, one sequence (extrapolated)",
-            f"{ours['step_ms'] / 1e3:.2f} s",
-            f"≤ {GOAL_STEP_S} s",
-            "pass" if ours["step_ms"] / 1e3 <= GOAL_STEP_S else "FAIL",
-        )
-    ]
+    rows = []
     if "native" in fits.index:
         native = fits.loc["native", "per_layer_ms"]
         same_run = commit.get("ours") == commit.get("native")
         # no slower; and GOAL_FASTER faster, the issue's goal where two GPUs are not lent
         for factor in (1.0, 1 - GOAL_FASTER):
             bound = factor * native
-            rows.insert(
-                len(rows) - 1,
+            rows.append(
                 (
                     f"per-layer time ≤ {'' if factor == 1 else f'{factor:.2f} × '}the native stack's (same run)",
                     f"{ours['per_layer_ms']:.1f} ms",
                     f"{bound:.1f} ms",
                     ("pass" if ours["per_layer_ms"] <= bound else "FAIL") if same_run else "not judged",
-                ),
+                )
             )
+    rows.append(
+        (
+            "34-layer step, one sequence (extrapolated)",
+            f"{ours['step_ms'] / 1e3:.2f} s",
+            f"≤ {GOAL_STEP_S} s",
+            "pass" if ours["step_ms"] / 1e3 <= GOAL_STEP_S else "FAIL",
+        )
+    )
     table = pd.DataFrame(rows, columns=["goal (one GPU)", "ours", "bound", "result"])
     return "\n\n".join(
         part
@@ -909,19 +909,20 @@ def pieces_worth(cells: pd.DataFrame) -> str:
     """What each of our pieces is worth inside the sharded step: ours_fsdp against ours_fsdp_<piece> (PIECES) in
     the same job, per depth and world size: step time and peak per GPU."""
     ok = cells[cells["status"] == "ok"].set_index(["stack", "world_size", "num_layers"])
+    peak = "peak since build" if since_build(cells) else "peak"
     sentences = []
     for suffix, piece in PIECES:
         parts = []
         for (stack, world, layers), ours in ok.iterrows():
-            if stack != "ours_fsdp" or ("ours_fsdp_" + suffix, world, layers) not in ok.index:
+            key = (f"ours_fsdp_{suffix}", world, layers)
+            if stack != "ours_fsdp" or key not in ok.index:
                 continue
-            other = ok.loc[("ours_fsdp_" + suffix, world, layers)]
+            other = ok.loc[key]
             text = (
                 f"{signed((ours['step_ms'] - other['step_ms']) / 1e3, '.2f')} s per step at {layers} layers on "
                 f"{world} ranks ({signed(100 * (ours['step_ms'] / other['step_ms'] - 1))}%)"
             )
             if pd.notna(ours.get("peak_mib")) and pd.notna(other.get("peak_mib")):
-                peak = "peak since build" if since_build(cells) else "peak"
                 text += f", {peak} per GPU {signed((ours['peak_mib'] - other['peak_mib']) / 1024)} GiB"
             parts.append(text)
         if parts:
