@@ -9,8 +9,13 @@ TRAIN_STEP_CSV = f"{RESULTS}/train_step/{{stack}}.csv"
 TRAIN_STEP_LIBRARY = ("training/stacks.py", "training/workload.py", "kernels/fused_cross_entropy.py", "kernels/fused_adamw.py", *FLASH_KERNEL_CODE,
                       "model/checkpointing.py", "model/transformer.py", "measure/profiling.py")
 TRAIN_STEP_CODE = code("experiments/train_step_benchmark.py", "bench/stack_timing.py", *TRAIN_STEP_LIBRARY)
-TRAIN_STEP_DIMS = " ".join(f"--{key.replace('_', '-')} {TRAIN_STEP[key]}" for key in
-                           ("d_model", "d_ff", "num_heads", "vocab_size", "context_length", "batch_size"))
+# The model every train_step job runs, sharded or not: its dimensions, and its LM head's tokens per chunk by head
+# (so that a sharded step and the one-GPU fits it is compared with run the same head).
+HEAD_CHUNKS = TRAIN_STEP.get("head_chunks", {})
+TRAIN_STEP_MODEL = " ".join(
+    [f"--{key.replace('_', '-')} {TRAIN_STEP[key]}" for key in
+     ("d_model", "d_ff", "num_heads", "vocab_size", "context_length", "batch_size")]
+    + ([f"--head-chunk {' '.join(f'{head}={tokens}' for head, tokens in HEAD_CHUNKS.items())}"] if HEAD_CHUNKS else []))
 COMPONENTS = TRAIN_STEP["components"]
 COMPONENTS_CSV = f"{RESULTS}/train_step_components/components.csv"
 
@@ -27,7 +32,7 @@ rule train_step:
     wildcard_constraints:
         stack="|".join(TRAIN_STEP["stacks"]),
     params:
-        dims=TRAIN_STEP_DIMS,
+        dims=TRAIN_STEP_MODEL,
         num_layers=listed(TRAIN_STEP["num_layers"]),
         dtype=TRAIN_STEP["dtype"],
         options=train_step_options(TRAIN_STEP, TRAIN_STEP["compile"]),
@@ -59,7 +64,7 @@ rule train_step_components:
                    subcategory="9 The leaderboard's training step"),
         json=f"{RESULTS}/train_step_components/components.json",
     params:
-        dims=TRAIN_STEP_DIMS,
+        dims=TRAIN_STEP_MODEL,
         num_layers=COMPONENTS["num_layers"],
         stacks=listed(COMPONENTS["stacks"]),
         dtype=TRAIN_STEP["dtype"],
@@ -94,7 +99,7 @@ if KERNELS:
                        subcategory="9 The leaderboard's training step"),
             json=f"{RESULTS}/train_step_kernels/kernels.json",
         params:
-            dims=TRAIN_STEP_DIMS,
+            dims=TRAIN_STEP_MODEL,
             num_layers=listed(KERNELS["num_layers"]),
             stacks=listed(KERNELS["stacks"]),
             dtype=TRAIN_STEP["dtype"],
@@ -160,7 +165,7 @@ if COLD:
         wildcard_constraints:
             stack="|".join(COLD["stacks"]),
         params:
-            dims=TRAIN_STEP_DIMS,
+            dims=TRAIN_STEP_MODEL,
             num_layers=COLD["num_layers"],
             dtype=TRAIN_STEP["dtype"],
             options=train_step_options(COLD, TRAIN_STEP["compile"]) + " --cold-cache",
@@ -193,10 +198,9 @@ if SHARDED:
             world_size=str(SHARDED["world_size"]),
         params:
             **launched(SHARDED["world_size"], DIST_BACKEND, SHARDED_CSV),
-            cli=(f"cs336_systems.experiments.train_step_benchmark {TRAIN_STEP_DIMS} "
+            cli=(f"cs336_systems.experiments.train_step_benchmark {TRAIN_STEP_MODEL} "
                  f"--num-layers {listed(SHARDED['num_layers'])} --stacks {listed(SHARDED['stacks'])} "
-                 f"--dtype {TRAIN_STEP['dtype']} --warmup-steps {SHARDED['warmup_steps']} --steps {SHARDED['steps']} "
-                 f"--head-chunk {SHARDED.get('head_chunk', 8192)}"
+                 f"--dtype {TRAIN_STEP['dtype']} --warmup-steps {SHARDED['warmup_steps']} --steps {SHARDED['steps']}"
                  + ("" if TRAIN_STEP["compile"] else " --no-compile")),
         threads: rank_threads(SHARDED["world_size"])
         resources:
@@ -224,10 +228,10 @@ if SHARDED:
                 stack="|".join(SHARDED_COLD["stacks"]),
             params:
                 **launched(SHARDED["world_size"], DIST_BACKEND, SHARDED_COLD_CSV),
-                cli=lambda w: (f"cs336_systems.experiments.train_step_benchmark {TRAIN_STEP_DIMS} "
+                cli=lambda w: (f"cs336_systems.experiments.train_step_benchmark {TRAIN_STEP_MODEL} "
                                f"--num-layers {SHARDED['num_layers'][0]} --stacks {w.stack} --dtype {TRAIN_STEP['dtype']} "
                                f"--time-budgets --warmup-ms {SHARDED_COLD['warmup_ms']} --rep-ms {SHARDED_COLD['rep_ms']} "
-                               f"--head-chunk {SHARDED.get('head_chunk', 8192)} --cold-cache"
+                               "--cold-cache"
                                + ("" if TRAIN_STEP["compile"] else " --no-compile")),
             log:
                 f"{RESULTS}/logs/train_step/sharded_cold_{{stack}}.log",

@@ -163,6 +163,23 @@ def test_the_section_shows_the_sharded_step_without_the_one_gpu_table(tmp_path):
     assert "**On several GPUs: the leaderboard as the spec runs it.**" in text
 
 
+def test_each_heads_chunk_is_named(tmp_path):
+    rows = [cell("native_fsdp", 5000.0) | {"head": "chunked", "head_chunk": 4096}, cell("ours_fsdp", 4000.0)]
+    rows[1]["head_chunk"] = 8192
+    text = sharded(tmp_path, rows)
+    assert "LM-head chunks: 4,096 tokens (PyTorch's chunked head), 8,192 tokens (our fused head)." in text
+    # cells from before they recorded their head's chunk: the run's one value
+    text = sharded(
+        tmp_path, [cell("native_fsdp", 5000.0), cell("ours_fsdp", 4000.0)], PARAMS | {"head_chunk": 2048}
+    )
+    assert "LM-head chunks of 2,048 tokens." in text
+    # the one-GPU table's head column
+    assert train_step.head_text("chunked", 4096.0) == "chunks of 4,096 tokens, logits recomputed (PyTorch)"
+    assert train_step.head_text("fused", 8192) == "fused Triton head + loss (ours), in chunks of 8,192 tokens"
+    assert train_step.head_text("fused", NAN) == "fused Triton head + loss (ours)"
+    assert train_step.head_text("eager", NAN) == "logits, then cross_entropy"
+
+
 def test_what_each_piece_is_worth_in_the_sharded_step(tmp_path):
     """ours_fsdp against each ours_fsdp_<piece> of the same job: step and peak per GPU; a piece not run, nothing."""
     text = sharded(

@@ -192,11 +192,16 @@ def test_cli_writes_cells_and_the_per_layer_fit(tmp_path: Path):
             "1",
             "--extrapolate-layers",
             "34",
+            "--head-chunk",
+            "fused=5",  # 32 tokens: six chunks of 5 and one of 2
         ]
     )
     rows = pd.read_csv(out)
     cells, fits = rows[rows["kind"] == "cell"], rows[rows["kind"] == "fit"].set_index("stack")
     assert len(cells) == 4 and (cells["status"] == "ok").all() and (cells["step_ms"] > 0).all()
+    # each cell names its head's chunk; the plain model's eager head has none
+    assert cells.set_index("stack")["head_chunk"].loc["ours"].tolist() == [5, 5]
+    assert cells.set_index("stack")["head_chunk"].loc["plain"].isna().all()
     assert (cells["weights"] == "float32").all()
     assert cells[["build_peak_mib", "first_step_peak_mib", "peak_mib"]].isna().all().all()  # no CUDA peaks
     assert (cells["updated_fraction"] == 1).all()  # float32 weights keep every update, weight decay's too
@@ -429,6 +434,24 @@ def test_kernels_are_sorted_into_components():
     assert component_of("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
     assert component_of("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT") == "matmul"
     assert component_of("triton_poi_fused_mul_silu_0") == "elementwise and other"
+
+
+def test_head_chunks_are_set_for_every_head_or_per_head(capsys: pytest.CaptureFixture):
+    args = ["--num-layers", "1", "--out", "x.csv"]
+    parse = lambda *chunks: train_step_benchmark.parse_args([*args, "--head-chunk", *chunks])
+    assert parse("4096").head_chunk == {"chunked": 4096, "fused": 4096}
+    assert parse("fused=8192", "chunked=2048").head_chunk == {"chunked": 2048, "fused": 8192}
+    # a named head over the bare value
+    assert parse("fused=8192", "1024").head_chunk == {"chunked": 1024, "fused": 8192}
+    assert train_step_benchmark.parse_args(args).head_chunk == {"chunked": 8192, "fused": 8192}
+    for bad, says in [
+        (["fused=1", "fused=2"], "--head-chunk sets each head once: got fused fused"),
+        (["eager=4"], "'eager' is not a chunked head (one of chunked, fused)"),
+        (["fused=0"], "must be >= 1, got 0"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse(*bad)
+        assert says in capsys.readouterr().err
 
 
 def test_bad_dimensions_are_refused_before_any_work(tmp_path: Path, capsys: pytest.CaptureFixture):

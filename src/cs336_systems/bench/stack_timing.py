@@ -116,7 +116,7 @@ def measure(
         device,
         DTYPES[args.dtype],
         compile_blocks=not args.no_compile,
-        head_chunk=args.head_chunk,
+        head_chunk=head_chunk_of(stack, args),
         seed=args.seed,
     )
     sync(device)
@@ -224,6 +224,11 @@ def gather_to_all(values: list[float]) -> list[list[float]]:
     return gathered
 
 
+def head_chunk_of(stack: str, args: argparse.Namespace) -> int | None:
+    """Tokens per chunk of the stack's LM head (the CLI's `--head-chunk` by head); None for an unchunked head."""
+    return args.head_chunk.get(STACKS[stack].head)
+
+
 def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, result) -> dict:
     s = STACKS[stack]
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -234,6 +239,7 @@ def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torc
         "stack": stack,
         "attention": s.attention,
         "head": s.head,
+        "head_chunk": head_chunk_of(stack, args),
         "checkpoint": s.checkpoint,
         "compiled": s.compile_blocks and not args.no_compile,
         "optimizer": s.optimizer,

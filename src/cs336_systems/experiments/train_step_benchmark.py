@@ -4,8 +4,9 @@
         --out results/gpu/train_step/one_gpu.csv
 
 Defaults are the leaderboard's model (d_model 4096, d_ff 11,008, 32 heads, vocabulary 151,936, context 32,768) in
-bf16; `--num-layers` sets the depths measured (the leaderboard has 34). Per (stack, depth) one row: a fresh model
-(cs336_systems.training.stacks), `triton.testing.do_bench` of the whole step on CUDA (median, after
+bf16; `--num-layers` sets the depths measured (the leaderboard has 34), `--head-chunk` the LM head's tokens per
+chunk, for every chunked head or per head (`chunked=4096 fused=8192`). Per (stack, depth) one row: a fresh model
+(cs336_systems.training.stacks; `head_chunk`: its head's), `triton.testing.do_bench` of the whole step on CUDA (median, after
 `--warmup-ms`, over `--rep-ms`; wall-clock median of `--steps` steps on the CPU), the allocator's peaks, each
 from its own reset of the peak statistics (`peak_mib`: over the steps after the first, the step's own;
 `build_peak_mib`: the model's build; `first_step_peak_mib`: the first step, where compilation and autotuning
@@ -65,7 +66,15 @@ from cs336_systems.kernels import triton_interpreter
 from cs336_systems.measure.provenance import write_rows
 from cs336_systems.measure.timing import or_oom, resolve_device
 from cs336_systems.parallel.distributed import BACKENDS, distributed, how_to_launch
-from cs336_systems.training.stacks import DTYPES, LEADERBOARD, STACKS, component_of, peak_tflops
+from cs336_systems.training.stacks import (
+    CHUNKED_HEADS,
+    DEFAULT_HEAD_CHUNK,
+    DTYPES,
+    LEADERBOARD,
+    STACKS,
+    component_of,
+    peak_tflops,
+)
 
 # The model's dimensions (flags of the same names), the leaderboard's by default
 DIMENSIONS = {
@@ -98,7 +107,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="bfloat16",
         help="weights, gradients, AdamW state (a *_fp32_master stack's compute)",
     )
-    p.add_argument("--head-chunk", type=cli.positive_int, default=8192, help="tokens per LM-head chunk")
+    p.add_argument(
+        "--head-chunk",
+        type=head_chunk,
+        nargs="+",
+        default=[],
+        metavar="[HEAD=]TOKENS",
+        help=f"tokens per LM-head chunk, for every chunked head or per head ({', '.join(CHUNKED_HEADS)}=TOKENS; "
+        f"default {DEFAULT_HEAD_CHUNK})",
+    )
     p.add_argument("--no-compile", action="store_true", help="run every stack's blocks eagerly")
     p.add_argument(
         "--warmup-ms", type=cli.positive_int, default=3000, help="CUDA (or --time-budgets): do_bench warm-up"
@@ -153,6 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     cli.add_device(p)
     args = p.parse_args(argv)
+    args.head_chunk = head_chunks(p, args.head_chunk)
     if args.d_model % args.num_heads or (args.d_model // args.num_heads) % 2:
         p.error(f"--d-model {args.d_model} must split into --num-heads {args.num_heads} heads of even size")
     if len(set(args.stacks)) < len(args.stacks) or len(set(args.num_layers)) < len(args.num_layers):
@@ -169,6 +187,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "them on several ranks (or list only *_fsdp stacks)"
         )
     return args
+
+
+def head_chunk(text: str) -> tuple[str | None, int]:
+    """One `--head-chunk` value: TOKENS (every chunked head) or HEAD=TOKENS."""
+    head, _, tokens = text.rpartition("=")
+    if head and head not in CHUNKED_HEADS:
+        raise argparse.ArgumentTypeError(
+            f"{head!r} is not a chunked head (one of {', '.join(CHUNKED_HEADS)})"
+        )
+    return head or None, cli.positive_int(tokens)
+
+
+def head_chunks(p: argparse.ArgumentParser, values: list[tuple[str | None, int]]) -> dict[str, int]:
+    """Tokens per LM-head chunk by head (CHUNKED_HEADS): a bare value sets every head, HEAD=TOKENS one (over a bare
+    value); each once."""
+    named = [head or "TOKENS" for head, _ in values]
+    if len(set(named)) < len(named):
+        p.error(f"--head-chunk sets each head once: got {' '.join(named)}")
+    every = next((tokens for head, tokens in values if head is None), DEFAULT_HEAD_CHUNK)
+    return dict.fromkeys(CHUNKED_HEADS, every) | {head: tokens for head, tokens in values if head}
 
 
 def main(argv: list[str] | None = None) -> None:

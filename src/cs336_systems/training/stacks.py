@@ -56,6 +56,9 @@ LEADERBOARD = {
     "context_length": 32_768,
 }
 HEADS = ("eager", "chunked", "fused")
+# The heads that take their tokens in chunks (LossHead), and the chunk a benchmark gives them unless told.
+CHUNKED_HEADS = ("chunked", "fused")
+DEFAULT_HEAD_CHUNK = 8192
 # The run's dtypes by name (weights, gradients and AdamW state; a *_fp32_master stack's compute).
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # Dense bf16 tensor-core peak (TFLOP/s) by a substring of the device's name; MFU is left out elsewhere.
@@ -340,7 +343,7 @@ def build_step(
     device: torch.device,
     dtype: torch.dtype,
     compile_blocks: bool = True,
-    head_chunk: int = 8192,
+    head_chunk: int = DEFAULT_HEAD_CHUNK,
     seed: int = 0,
 ) -> TrainingStep:
     """The spec's train_step for one stack, as the one TrainingStep: the model built as the stack says (a sharded

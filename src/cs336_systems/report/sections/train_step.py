@@ -15,11 +15,12 @@ from cs336_systems.report.formatting import not_measured, not_run, provenance_li
 from cs336_systems.training.stacks import STACKS, unsharded
 
 LABEL = {name: stack.label for name, stack in STACKS.items()}  # the one stack registry
-HEAD = {
+HEAD = {  # {of}: " of N tokens", {chunks}: ", in chunks of N tokens", where the cells record their head's chunk
     "eager": "logits, then cross_entropy",
-    "chunked": "chunks, logits recomputed (PyTorch)",
-    "fused": "fused Triton head + loss (ours)",
+    "chunked": "chunks{of}, logits recomputed (PyTorch)",
+    "fused": "fused Triton head + loss (ours){chunks}",
 }
+HEAD_NAME = {"chunked": "PyTorch's chunked head", "fused": "our fused head"}
 OPTIMIZER = {
     "torch": "torch.optim.AdamW",
     "torch_fused": "torch.optim.AdamW(fused=True)",
@@ -486,11 +487,12 @@ def stack_table(cells: pd.DataFrame, stacks: list[str], dtype: str) -> pd.DataFr
     optimizer = (
         first["optimizer"] if "optimizer" in first else pd.Series(None, index=first.index, dtype=object)
     )
+    chunks = first["head_chunk"] if "head_chunk" in first else pd.Series(None, index=first.index, dtype=float)
     return pd.DataFrame(
         {
             "stack": [LABEL.get(s, s) for s in stacks],
             "attention": first["attention"].tolist(),
-            "LM head + loss": [HEAD.get(h, h) for h in first["head"]],
+            "LM head + loss": [head_text(h, c) for h, c in zip(first["head"], chunks, strict=True)],
             "checkpointing": first["checkpoint"].tolist(),
             "blocks compiled": ["yes" if str(c) == "True" else "no" for c in first["compiled"]],
             "optimizer": [OPTIMIZER.get(o, o) if pd.notna(o) else "—" for o in optimizer],
@@ -499,6 +501,23 @@ def stack_table(cells: pd.DataFrame, stacks: list[str], dtype: str) -> pd.DataFr
             ],
         }
     )
+
+
+def chunks_text(cells: pd.DataFrame, params: dict) -> str:
+    """The LM heads' tokens per chunk, by head where the cells record them (else the run's one value), or ''."""
+    if "head_chunk" in cells and cells["head_chunk"].notna().any():
+        heads = cells.dropna(subset=["head_chunk"]).drop_duplicates("head")
+        return "LM-head chunks: " + ", ".join(
+            f"{int(chunk):,} tokens ({HEAD_NAME.get(head, head)})"
+            for head, chunk in zip(heads["head"], heads["head_chunk"], strict=True)
+        )
+    return f"LM-head chunks of {params['head_chunk']:,} tokens" if params.get("head_chunk") else ""
+
+
+def head_text(head: str, chunk) -> str:
+    """How a stack's LM head and loss run (HEAD), with its tokens per chunk where the cell recorded them."""
+    of = f" of {int(chunk):,} tokens" if pd.notna(chunk) else ""
+    return HEAD.get(head, head).format(of=of, chunks=f", in chunks{of}" if of else "")
 
 
 # Columns a one-GPU cell has only where the run recorded them: column -> (heading, format).
@@ -856,11 +875,7 @@ def sharded_text(ctx: Context) -> str:
             if "alloc_retries" in cells
             else ""
         )
-        + (
-            f"LM-head chunks of {p['head_chunk']:,} tokens{'; ' if gpus else '. '}"
-            if p.get("head_chunk")
-            else ""
-        )
+        + (f"{chunks}{'; ' if gpus else '. '}" if (chunks := chunks_text(cells, p)) else "")
         + ("the CUDA allocator uses expandable segments. " if gpus else interpreted_text(stacks) + " ")
         + "Stacks: "
         + "; ".join(LABEL.get(s, s) for s in stacks)
