@@ -575,14 +575,16 @@ def test_one_gpu_goals_and_the_layer_that_would_meet_the_step_goal(tmp_path):
     assert "Ours meets 3 of the 3 one-GPU goals." in train_step.goal_text(fits.set_index("stack"))
 
 
-def one_gpu_fits(tmp_path: Path, steps_s: dict[str, float], monkeypatch, commit: str) -> None:
-    """The one-GPU table with only its fits to 34 layers (the step each stack extrapolates to), one file per stack,
-    at `commit`; the sharded table is written after, at another."""
+def one_gpu_fits(
+    tmp_path: Path, steps_s: dict[str, float], monkeypatch, commit: str, chunks: dict[str, int] | None = None
+) -> None:
+    """The one-GPU table with only its fits to 34 layers (the step each stack extrapolates to; `chunks`: the LM-head
+    chunk of some), one file per stack, at `commit`; the sharded table is written after, at another."""
     monkeypatch.setenv("CS336_GIT_COMMIT", commit)
     for stack, step_s in steps_s.items():
         row = {"kind": "fit", "stack": stack, "num_layers": 34, "world_size": 1, "step_ms": step_s * 1e3,
                "per_layer_ms": step_s * 1e3 / 40, "intercept_ms": step_s * 1e3 / 6, "peak_mib": NAN,
-               "status": "extrapolated"}  # fmt: skip
+               "status": "extrapolated", "head_chunk": (chunks or {}).get(stack, NAN)}  # fmt: skip
         path = tmp_path / f"results/train_step/{stack}.csv"
         write_rows(pd.DataFrame([row]), path, {"stacks": [stack]})
     monkeypatch.setenv("CS336_GIT_COMMIT", "b" * 40)
@@ -605,6 +607,30 @@ def test_sharding_overhead_against_the_one_gpu_extrapolation(tmp_path, monkeypat
     text = sharded(tmp_path, rows)
     assert goal(text, "sharding overhead at most the native stack's")[1:] == ["+0.07 s", "≤ +0.13 s", "pass"]
     assert "whatever changed between them" not in text  # both at one commit
+
+
+def test_no_overhead_against_a_fit_whose_head_ran_other_chunks(tmp_path, monkeypatch):
+    one_gpu_fits(
+        tmp_path, {"native": 4.58, "ours": 4.81}, monkeypatch, "a" * 40, {"native": 4096, "ours": 8192}
+    )
+    rows = [cell("native_fsdp", 4710.0, 120 * 1024) | {"head_chunk": 2048},
+            cell("ours_fsdp", 5020.0, 120 * 1024) | {"head_chunk": 8192}]  # fmt: skip
+    text = sharded(tmp_path, rows)
+    assert re.search(r"\| ours under our FSDP .*\| 5.02 +\| 4.81 +\| \+0.21 +\|", text)  # the same chunks
+    assert re.search(
+        r"\| PyTorch-native stack under FSDP2 .*\| 4.71 +\| 4.58 +\| not compared: LM-head chunks of 2,048 tokens "
+        r"here, 4,096 in the fit +\|",
+        text,
+    )
+    assert goal(text, "sharding overhead at most the native stack's")[1:] == [
+        "+0.21 s",
+        "≤ native's: not compared",
+        "not judged",
+    ]
+    assert (
+        "Ours meets 1 of the 4 two-GPU goals; 1 is not judged: the one-GPU fit of PyTorch-native stack under FSDP2"
+        in text
+    )
 
 
 def test_no_overhead_against_one_gpu_fits_from_another_gpu(tmp_path, monkeypatch):
