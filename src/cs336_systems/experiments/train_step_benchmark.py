@@ -5,9 +5,9 @@
 
 Defaults are the leaderboard's model (d_model 4096, d_ff 11,008, 32 heads, vocabulary 151,936, context 32,768) in
 bf16; `--num-layers` sets the depths measured (the leaderboard has 34), `--head-chunk` the LM head's tokens per
-chunk, for every chunked head or per head (`chunked=4096 fused=8192`). Per (stack, depth) one row: a fresh model
-(cs336_systems.training.stacks; `head_chunk`: its head's), `triton.testing.do_bench` of the whole step on CUDA (median, after
-`--warmup-ms`, over `--rep-ms`; wall-clock median of `--steps` steps on the CPU), the allocator's peaks, each
+chunk, for every chunked head or per head (`chunked=2048 fused=8192`). Per (stack, depth) one row: a fresh model
+(cs336_systems.training.stacks; `head_chunk`: its head's), `triton.testing.do_bench` of the whole step on CUDA
+(median, after `--warmup-ms`, over `--rep-ms`; wall-clock median of `--steps` steps on the CPU), the allocator's peaks, each
 from its own reset of the peak statistics (`peak_mib`: over the steps after the first, the step's own;
 `build_peak_mib`: the model's build; `first_step_peak_mib`: the first step, where compilation and autotuning
 run), model TFLOP and MFU; an out-of-memory cell is an `OOM` row. Then per stack measured at two depths or more, a `fit` row:
