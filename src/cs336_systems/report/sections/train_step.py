@@ -1176,9 +1176,8 @@ def sharded_goal_text(cells: pd.DataFrame, overheads: pd.DataFrame | None = None
         )
     else:
         notes.append("This device reports no allocator peak: the memory goal is not judged.")
-    overhead = (
-        {} if overheads is None else overheads.dropna(subset=["overhead_s"]).set_index("stack")["overhead_s"]
-    )
+    known = pd.DataFrame(columns=["stack", "overhead_s", "chunks"]) if overheads is None else overheads
+    overhead = known.dropna(subset=["overhead_s"]).set_index("stack")["overhead_s"]
     if {"ours_fsdp", "native_fsdp"} <= set(overhead.index):
         ours_s, native_s = overhead["ours_fsdp"], overhead["native_fsdp"]
         rows.append(
@@ -1190,7 +1189,7 @@ def sharded_goal_text(cells: pd.DataFrame, overheads: pd.DataFrame | None = None
             )
         )
     why = ""
-    unlike = [] if overheads is None else overheads[overheads["chunks"].notna()]["stack"].tolist()
+    unlike = known[known["chunks"].notna()]["stack"].tolist()
     if {"ours_fsdp", "native_fsdp"} & set(unlike):  # an overhead not compared: the goal shown, not judged
         shown = lambda s: f"{signed(overhead[s], '.2f')} s" if s in overhead.index else "not compared"
         rows.append((OVERHEAD_GOAL, shown("ours_fsdp"), f"≤ native's: {shown('native_fsdp')}", "not judged"))
