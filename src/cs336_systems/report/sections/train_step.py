@@ -1189,15 +1189,12 @@ def sharded_goal_text(cells: pd.DataFrame, overheads: pd.DataFrame | None = None
             )
         )
     why = ""
-    unlike = known[known["chunks"].notna()]["stack"].tolist()
-    if {"ours_fsdp", "native_fsdp"} & set(unlike):  # an overhead not compared: the goal shown, not judged
+    # ours' or the native stack's overhead not compared (other head chunks in its fit): the goal shown, not judged
+    unlike = [s for s in known[known["chunks"].notna()]["stack"] if s in ("ours_fsdp", "native_fsdp")]
+    if unlike:
         shown = lambda s: f"{signed(overhead[s], '.2f')} s" if s in overhead.index else "not compared"
         rows.append((OVERHEAD_GOAL, shown("ours_fsdp"), f"≤ native's: {shown('native_fsdp')}", "not judged"))
-        why = (
-            "the one-GPU fit of "
-            + " and of ".join(LABEL.get(s, s) for s in unlike if s in ("ours_fsdp", "native_fsdp"))
-            + " ran LM-head chunks of another size"
-        )
+        why = f"the one-GPU fit of {' and of '.join(LABEL[s] for s in unlike)} ran LM-head chunks of another size"
     table = pd.DataFrame(rows, columns=["goal (two GPUs)", "ours", "bound", "result"])
     return "\n\n".join([text_md(table), goals_met(table, "two-GPU", why), *notes])
 
