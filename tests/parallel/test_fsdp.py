@@ -33,7 +33,7 @@ CASES_AT = {
     2: [
         *("equality", "frozen", "compute_dtype", "prefetch", "transformer", "tied", "anomaly"),
         *("units", "partly_used", "bf16", "meta", "protocol", "protocol_low_precision", "exact_transformer"),
-        "lifetime",
+        *("lifetime", "gloo_alone"),
     ],
     3: [
         *("equality", "frozen", "units", "partly_used", "bf16", "meta", "protocol", "protocol_low_precision"),
@@ -106,8 +106,8 @@ def test_block_units_a_partly_used_unit_and_bf16_weights(launched, world_size: i
     assert_cases_pass(launched(world_size), world_size, "units", "partly_used", "bf16")
 
 
-def test_grouped_collectives_hold_their_tensors_until_waited(launched):
-    assert_cases_pass(launched(2), 2, "lifetime")
+def test_grouped_collectives_hold_their_tensors_until_waited_and_go_alone_on_gloo(launched):
+    assert_cases_pass(launched(2), 2, "lifetime", "gloo_alone")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -699,8 +699,7 @@ def torch_nn_bf16() -> None:
 
 def grouped_collectives_hold_their_tensors() -> None:
     """A started group of collectives keeps its tensors alive until wait() returns, though the caller drops them
-    (as FSDP drops a unit's padded gradients once their reduce-scatter starts), whatever the backend keeps (gloo's
-    reduce-scatter keeps clones of its inputs, not the inputs)."""
+    (as FSDP drops a unit's padded gradients once their reduce-scatter starts), whatever the backend keeps."""
     world, rank, n = dist.get_world_size(), dist.get_rank(), 1000
     for start, in_size, out_size in (
         (reduce_scatter_coalesced, world * n, n),
@@ -726,6 +725,20 @@ def grouped_collectives_hold_their_tensors() -> None:
             torch.testing.assert_close(out, exp, rtol=0, atol=0)
 
 
+def gloo_collectives_go_alone() -> None:
+    """On gloo a group is its collectives one by one, never c10d's coalescing manager (gloo's coalesced all-gather
+    corrupts the heap now and then: distributed._grouped)."""
+    c10d, world = dist.distributed_c10d, dist.get_world_size()
+    manager, c10d._coalescing_manager = c10d._coalescing_manager, None  # calling it now raises TypeError
+    try:
+        outputs = [torch.empty(3 * world, dtype=torch.bfloat16), torch.empty(world)]
+        all_gather_coalesced(outputs, [torch.ones(3, dtype=torch.bfloat16), torch.ones(1)]).wait()
+        reduce_scatter_coalesced([torch.empty(1)], [torch.ones(world)], dist.ReduceOp.SUM).wait()
+    finally:
+        c10d._coalescing_manager = manager
+    assert all(bool((out == 1).all()) for out in outputs), outputs
+
+
 CASES = {
     "equality": lambda: [
         train_against_reference(name, exact=exact) for name in OPTIMIZERS for exact in (False, True)
@@ -749,6 +762,7 @@ CASES = {
     "exact_transformer": lambda: block_units(exact=True),
     "exact_refusals": exact_refusals,
     "lifetime": grouped_collectives_hold_their_tensors,
+    "gloo_alone": gloo_collectives_go_alone,
 }
 
 

@@ -51,10 +51,12 @@ def reduce_scatter_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Ten
 
 def _grouped(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], **options) -> PendingGroup:
     """c10d's coalescing manager (private API, but the one way torch offers to group flat collectives without
-    copying them into one buffer first). gloo groups CPU tensors only, so on gloo CUDA tensors go one by one."""
+    copying them into one buffer first) on NCCL. On gloo each collective goes alone: gloo's coalesced all-gather
+    (allgather_coalesced) corrupts the heap now and then under async bf16 all-gathers on two CPU ranks ("malloc():
+    unaligned ... chunk detected", the smoke run's rare FSDP abort), and it takes no CUDA tensors anyway."""
     c10d = dist.distributed_c10d
     pairs = list(zip(outputs, inputs, strict=True))
-    if dist.get_backend() == "gloo" and inputs[0].is_cuda:
+    if dist.get_backend() == "gloo":
         group = c10d._CoalescingManager()
         for output, input_ in pairs:
             group.append(collective(output, input_, async_op=True, **options))
@@ -67,9 +69,8 @@ def _grouped(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor]
 
 class PendingGroup:
     """A started group of collectives that holds their tensors until wait() returns, so that none can outlive
-    its tensors whatever the backend keeps: gloo's coalesced reduce-scatter keeps clones of its inputs, not the
-    inputs (a caller's dropped inputs were seen reallocated before the wait; harmless there, since it reads the
-    clones), its all-gather keeps its tensors."""
+    its tensors whatever the backend keeps (gloo's coalesced reduce-scatter, for one, kept clones of its inputs,
+    not the inputs)."""
 
     def __init__(self, work, tensors: tuple):
         self._work, self._tensors = work, tensors
