@@ -52,8 +52,9 @@ def reduce_scatter_coalesced(outputs: list[torch.Tensor], inputs: list[torch.Ten
 def _grouped(collective, outputs: list[torch.Tensor], inputs: list[torch.Tensor], **options) -> PendingGroup:
     """c10d's coalescing manager (private API, but the one way torch offers to group flat collectives without
     copying them into one buffer first) on NCCL. On gloo each collective goes alone: gloo's coalesced all-gather
-    (allgather_coalesced) corrupts the heap now and then under async bf16 all-gathers on two CPU ranks ("malloc():
-    unaligned ... chunk detected", the smoke run's rare FSDP abort), and it takes no CUDA tensors anyway."""
+    (allgather_coalesced) corrupted the heap now and then in a stress of async bf16 all-gathers on two CPU ranks,
+    aborting as the smoke run's FSDP job rarely did ("malloc(): unaligned ... chunk detected"), and one by one never
+    did; gloo takes no CUDA tensors in groups anyway."""
     c10d = dist.distributed_c10d
     pairs = list(zip(outputs, inputs, strict=True))
     if dist.get_backend() == "gloo":
