@@ -728,15 +728,18 @@ def grouped_collectives_hold_their_tensors() -> None:
 def gloo_collectives_go_alone() -> None:
     """On gloo a group is its collectives one by one, never c10d's coalescing manager (gloo's coalesced all-gather
     corrupts the heap now and then: distributed._grouped)."""
+    assert dist.get_backend() == "gloo", dist.get_backend()
     c10d, world = dist.distributed_c10d, dist.get_world_size()
     manager, c10d._coalescing_manager = c10d._coalescing_manager, None  # calling it now raises TypeError
+    gathered = [torch.empty(3 * world, dtype=torch.bfloat16), torch.empty(world)]
+    reduced = [torch.empty(2)]
     try:
-        outputs = [torch.empty(3 * world, dtype=torch.bfloat16), torch.empty(world)]
-        all_gather_coalesced(outputs, [torch.ones(3, dtype=torch.bfloat16), torch.ones(1)]).wait()
-        reduce_scatter_coalesced([torch.empty(1)], [torch.ones(world)], dist.ReduceOp.SUM).wait()
+        all_gather_coalesced(gathered, [torch.ones(3, dtype=torch.bfloat16), torch.ones(1)]).wait()
+        reduce_scatter_coalesced(reduced, [torch.ones(2 * world)], dist.ReduceOp.SUM).wait()
     finally:
         c10d._coalescing_manager = manager
-    assert all(bool((out == 1).all()) for out in outputs), outputs
+    assert all(bool((out == 1).all()) for out in gathered), gathered
+    assert bool((reduced[0] == world).all()), reduced
 
 
 CASES = {
