@@ -128,6 +128,12 @@ PIN_GPUS = shlex.quote(str(Path(workflow.basedir, "rules", "pin_gpus.sh")))
 shell.prefix(f"set -euo pipefail; source {PIN_GPUS}; ")
 
 
+def attention_shape_args(shape):
+    """An attention shape BxHxNxD (batch, heads, sequence, head dim) as flash_benchmark's arguments."""
+    batch, heads, seq, d_head = (int(x) for x in shape.split("x"))
+    return f"--heads {heads} --tokens {batch * seq} --seq-lens {seq} --d-heads {d_head}"
+
+
 def listed(values):
     return " ".join(str(v) for v in values)
 

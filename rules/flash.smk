@@ -1,8 +1,8 @@
 # §1.3.2–1.3.4 FlashAttention-2: the benchmark grid (ours vs naive PyTorch vs SDPA) and the leaderboard timing;
 # the grid against PyTorch's fastest attention (SDPA's cuDNN and flash backends, compiled FlexAttention) and an
-# Nsight Compute profile of our kernels beside cuDNN's. Without a GPU, flash_benchmark and flash_peers check our
+# Nsight Compute profile of our kernels beside cuDNN's; ours against cuDNN at the shapes of the Hopper tier's goals. Without a GPU, flash_benchmark and flash_peers check our
 # kernels in the Triton interpreter against a float64 reference instead of timing them.
-FLASH, BOARD, PEERS, FLASH_NCU = R["flash"], R["leaderboard"], R["flash_peers"], R["flash_ncu"]
+FLASH, BOARD, PEERS, GOALS, FLASH_NCU = R["flash"], R["leaderboard"], R["flash_peers"], R["flash_goals"], R["flash_ncu"]
 FLASH_CODE = code("bench/flash_variants.py", *FLASH_KERNEL_CODE)
 
 
@@ -99,6 +99,36 @@ rule flash_peers:
         "--out {output.csv} 2> {log}"
 
 
+rule flash_goals:
+    message:
+        "FlashAttention-2 against cuDNN at the Hopper tier's goal shape {wildcards.shape} (causal) -> {output.csv}"
+    input:
+        code("experiments/flash_benchmark.py") + FLASH_CODE,
+    output:
+        csv=report(f"{RESULTS}/flash_goals/{{shape}}.csv", caption="report/flash_goals.rst",
+                   category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),
+        json=f"{RESULTS}/flash_goals/{{shape}}.json",
+    wildcard_constraints:
+        shape=r"[0-9]+x[0-9]+x[0-9]+x[0-9]+",
+    params:
+        shape=lambda w: attention_shape_args(w.shape),
+        impls=listed(GOALS["impls"]),
+        warmup_ms=GOALS["warmup_ms"],
+        rep_ms=GOALS["rep_ms"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/flash_goals/{w.shape}.csv"),
+    threads: NEEDS["model"].threads
+    resources:
+        **job("model", gpu=GPU_JOB),
+    log:
+        f"{RESULTS}/logs/flash_goals/{{shape}}.log",
+    conda:
+        ENV
+    shell:
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.flash_benchmark {params.shape} --dtypes bfloat16 --causal "
+        "--impls {params.impls} --warmup-ms {params.warmup_ms} --rep-ms {params.rep_ms} --out {output.csv} 2> {log}"
+
+
 rule flash_ncu:
     message:
         "FlashAttention-2 under Nsight Compute -> {output.csv}"
@@ -161,4 +191,5 @@ WRITEUP_INPUTS += expand(f"{RESULTS}/flash/benchmark_{{dtype}}_d{{d_head}}.csv",
 WRITEUP_INPUTS += [f"{RESULTS}/leaderboard/leaderboard.csv"]
 WRITEUP_INPUTS += expand(f"{RESULTS}/flash_peers/{{mask}}_d{{d_head}}.csv", mask=PEERS["masks"],
                          d_head=PEERS["d_heads"])
+WRITEUP_INPUTS += expand(f"{RESULTS}/flash_goals/{{shape}}.csv", shape=GOALS["shapes"])
 WRITEUP_INPUTS += [f"{RESULTS}/flash_ncu/kernels.csv", f"{RESULTS}/gpu_tests/kernels.csv"]

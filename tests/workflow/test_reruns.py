@@ -86,6 +86,7 @@ CODE_EDITS = [
             "flash_benchmark": 1,
             "flash_leaderboard": 1,
             "flash_peers": 2,
+            "flash_goals": 1,
             "flash_ncu": 1,
             "gpu_tests": 1,
             "residuals": 1,

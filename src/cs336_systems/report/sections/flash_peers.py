@@ -10,6 +10,7 @@ import pandas as pd
 
 from cs336_systems.report.context import Context, reason_if_not_run
 from cs336_systems.report.formatting import commit_text, md, provenance_line, text_md
+from cs336_systems.report.sections import flash_goals
 from cs336_systems.report.sections.flash import (
     CHECKED_ABOVE,
     INTERPRETED_ONLY,
@@ -39,6 +40,7 @@ def render(ctx: Context) -> str:
             f"### The kernels' tests on this GPU\n\n{gpu_tests(ctx)}",
             f"### Time against SDPA's cuDNN and flash backends and FlexAttention\n\n{peers(ctx)}",
             f"### Where the time goes: Nsight Compute\n\n{kernel_profile(ctx)}",
+            f"### The Hopper tier's goals\n\n{flash_goals.render(ctx)}",
         ]
     )
 
