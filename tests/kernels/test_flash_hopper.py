@@ -74,7 +74,9 @@ def test_kernels_compile_for_sm90_to_wgmma_without_spills(kernel, d, seq_len):
     assert result.returncode == 0, result.stderr[-4000:]
     report = SimpleNamespace(**json.loads(result.stdout.strip().splitlines()[-1]))
     assert report.hgmma > 0 and report.hmma == 0, report.line
-    assert not report.spills and report.spill_instructions == 0, report.line
+    # no spill where it costs every key tile, and few elsewhere (per work item, around the main loop)
+    assert report.loop_spill_instructions == 0, report.line
+    assert report.spill_instructions <= compile_check.SPILL_BOUND and not report.local_bytes, report.line
     assert 24 in report.setmaxnreg, report.line  # the warp-specialised split: the producer's registers
     if d == 128:
         assert 240 in report.setmaxnreg and report.shared_bytes <= 227 * 1024, report.line
@@ -82,6 +84,22 @@ def test_kernels_compile_for_sm90_to_wgmma_without_spills(kernel, d, seq_len):
         assert 232 in report.setmaxnreg, report.line
         assert 2 * report.launch_regs * 8 * 32 <= 65536, report.line
         assert 2 * (report.shared_bytes + 1024) <= 228 * 1024, report.line
+
+
+def test_main_loop_spills_counts_only_the_innermost_wgmma_loops():
+    def sass(*lines):
+        return "\n".join(f"        /*{a:04x}*/   {text} ;   /* 0x0 */" for a, text in lines)
+
+    body = [(0x10, "STL [R1], R2"), (0x20, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ"), (0x30, "LDL R3, [R1]"),
+            (0x40, "@P0 BRA 0x20"), (0x50, "LDL R4, [R1+0x4]"), (0x60, "@!P1 BRA 0x10")]  # fmt: skip
+    assert (
+        compile_check.main_loop_spills(sass(*body)) == 1
+    )  # the LDL inside the inner loop, not the outer one's
+    stub = [(0x10, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ"), (0x20, "@P0 BRA 0x10"), (0x30, "LDL R3, [R1]"),
+            (0x40, "BRA 0x10")]  # fmt: skip
+    assert compile_check.main_loop_spills(sass(*stub)) == 0  # an unconditional jump back is no loop
+    without_wgmma = [(0x10, "LDL R3, [R1]"), (0x20, "@P0 BRA 0x10")]
+    assert compile_check.main_loop_spills(sass(*without_wgmma)) == 0
 
 
 def test_tma_reads_the_models_views_in_place_and_nothing_else():

@@ -16,7 +16,13 @@ from ..attention_reference import reference, rel_err
 
 # As test_flash_compile.py on the GPU: fp32 matmuls may run in TF32.
 TOLERANCE = {torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-HOPPER_KERNELS = ("flash_fwd_kernel", "bwd_preprocess_kernel", "flash_bwd_kernel", "dq_convert_kernel")
+HOPPER_KERNELS = (
+    "zero_kernel",
+    "flash_fwd_kernel",
+    "bwd_preprocess_kernel",
+    "flash_bwd_kernel",
+    "dq_convert_kernel",
+)
 # (batch, heads, tokens, head dim, causal, dtype): odd and power-of-two lengths, every dtype a tier takes.
 SHAPES = {
     "portable": [

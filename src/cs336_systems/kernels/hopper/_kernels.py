@@ -48,41 +48,22 @@ def mma_layout(num_warps, n):
 
 # fmt: off
 # ----------------------------------------------------------------------------------------------------------
-# Forward
+# Forward, persistent: one program per SM (two with one consumer warpgroup) takes work items (a query tile of a batch
+# element) from a counter, so that its producer loads the next item's Q, K and V while the consumers finish the
+# current one and its epilogue, instead of each program paying its prologue and epilogue alone.
 # ----------------------------------------------------------------------------------------------------------
-@gluon.jit
-def _fwd_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, q_start, n_tiles,
-              BN: gl.constexpr, STAGES: gl.constexpr, N_CONS: gl.constexpr):
-    """Producer partition (one warp): each consumer's 64 rows of Q once, then K and V of each key tile into a
-    STAGES-deep ring. K and V have their own barriers so that Q K^T of a tile can start before its V has landed;
-    a stage is free once every consumer warpgroup has arrived on its 'empty' barrier (count N_CONS)."""
-    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
-    Q_BYTES: gl.constexpr = q_desc.block_type.nbytes * N_CONS
-    mbarrier.expect(q_bar, Q_BYTES)
-    for w in gl.static_range(N_CONS):
-        tma.async_copy_global_to_shared(q_desc, [batch, q_start + w * 64, 0], q_bar, q_smem.index(w))
-    for i in range(n_tiles):
-        stage = i % STAGES
-        phase = (i // STAGES) & 1
-        # A fresh barrier counts as having completed the phase before phase 0: the first lap does not wait.
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, i * BN, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, i * BN, 0], v_ready.index(stage), v_smem.index(stage))
-
-
 @gluon.jit
 def _masked_scores(s, tile, row_start, n_unmasked, N_KEYS, IS_CAUSAL: gl.constexpr, BM: gl.constexpr,
                    BN: gl.constexpr, s_layout: gl.constexpr):
     """-inf where a key is past N_KEYS or (causal) after the query; only tiles that need it build the mask."""
     if (tile >= n_unmasked) | (tile * BN + BN > N_KEYS):
-        cols = tile * BN + gl.arange(0, BN, gl.SliceLayout(0, s_layout))
-        keep = cols[None, :] < N_KEYS
+        # Keys counted from the tile's first: a column keeps its score below a limit per row (N_KEYS, and causal the
+        # row's own key + 1), so the columns are the layout's constants, not a register each for every tile.
+        limit = gl.full([BM], N_KEYS - tile * BN, gl.int32, gl.SliceLayout(1, s_layout))
         if IS_CAUSAL:
-            rows = row_start + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
-            keep = keep & (cols[None, :] <= rows[:, None])
+            rows = row_start - tile * BN + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+            limit = gl.minimum(limit, rows + 1)
+        keep = gl.arange(0, BN, gl.SliceLayout(0, s_layout))[None, :] < limit[:, None]
         s = gl.where(keep, s, float("-inf"))
     return s
 
@@ -105,116 +86,222 @@ def _turn_pass(turn, WG: gl.constexpr, N_CONS: gl.constexpr, PINGPONG: gl.conste
 
 
 @gluon.jit
-def _fwd_consumer(WG: gl.constexpr, args, IS_CAUSAL: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                  STAGES: gl.constexpr, N_CONS: gl.constexpr, PINGPONG: gl.constexpr):
-    """One consumer warpgroup (its own partition: its barrier arrivals synchronise only its 128 threads) owning
-    64 query rows: S = Q K^T and O += P V by asynchronous wgmma, the accumulators in registers, online softmax
-    in base 2, then its own epilogue (O through shared memory by TMA, L by a masked store).
-
-    Software pipelined as FlashAttention-3's intra-warpgroup overlap: S of tile i+1 and P V of tile i are both
-    in flight while the softmax of tile i+1 runs; O is rescaled once its wgmma has retired. With PINGPONG the
-    warpgroups take turns issuing their GEMMs (mbarriers 'turn'), so that one's softmax runs under the other's
-    GEMMs."""
-    q_smem, k_smem, v_smem, bars, o_desc, L_ptr, batch, q_start, n_tiles, n_unmasked, N_QUERIES, N_KEYS, \
-        qk_scale = args
-    q_bar, k_ready, k_empty, v_ready, v_empty, turn = bars
-    BMW: gl.constexpr = 64
-    s_layout: gl.constexpr = mma_layout(4, BN)
-    o_layout: gl.constexpr = mma_layout(4, D)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    dtype: gl.constexpr = q_smem.dtype
-    row_start = q_start + WG * BMW
-    q = q_smem.index(WG).reshape([BMW, D])
-    s_zero = gl.zeros([BMW, BN], gl.float32, s_layout)
-
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    _turn_wait(turn, WG, 0, PINGPONG)
-    s = warpgroup_mma(q, k_smem.index(0).reshape([BN, D]).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    _turn_pass(turn, WG, N_CONS, PINGPONG)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(0))
-    s = _masked_scores(s, 0, row_start, n_unmasked, N_KEYS, IS_CAUSAL, BMW, BN, s_layout)
-    # Tile 0 holds key 0, which every query sees: m_i is finite from here on.
-    m_i = gl.max(s, 1) * qk_scale
-    p = gl.exp2(s * qk_scale - m_i[:, None])
-    l_i = gl.sum(p, 1)
-    acc = gl.zeros([BMW, D], gl.float32, o_layout)
-    for i in range(1, n_tiles):
-        stage = i % STAGES
-        prev = (i - 1) % STAGES
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.wait(k_ready.index(stage), (i // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((i - 1) // STAGES) & 1)
-        _turn_wait(turn, WG, i, PINGPONG)
-        s = warpgroup_mma(q, k_smem.index(stage).reshape([BN, D]).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BN, D]), acc, is_async=True)
-        _turn_pass(turn, WG, N_CONS, PINGPONG)
-        s = warpgroup_mma_wait(1, deps=(s,))  # S of tile i has retired; P V of tile i-1 may still run
-        mbarrier.arrive(k_empty.index(stage))
-        s = _masked_scores(s, i, row_start, n_unmasked, N_KEYS, IS_CAUSAL, BMW, BN, s_layout)
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-        mbarrier.arrive(v_empty.index(prev))
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    last = (n_tiles - 1) % STAGES
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    _turn_wait(turn, WG, n_tiles, PINGPONG)
-    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BN, D]), acc, is_async=True)
-    _turn_pass(turn, WG, N_CONS, PINGPONG)
-    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-    mbarrier.arrive(v_empty.index(last))
-
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    o = (acc / l_o[:, None]).to(dtype)
-    # This warpgroup's Q is spent: its buffer stages O for one TMA store, which clips rows past N_QUERIES.
-    q.store(o)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [batch, row_start, 0], q_smem.index(WG))
-    rows = row_start + gl.arange(0, BMW, m_i.type.layout)
-    lse = (m_i + gl.log2(l_i)) * LN2  # natural-log units
-    gl.store(L_ptr + batch.to(gl.int64) * N_QUERIES + rows, lse, mask=rows < N_QUERIES)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def flash_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L_ptr, N_QUERIES, N_KEYS, qk_scale,
-                     IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
-                     STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONS_REGS: gl.constexpr,
-                     num_warps: gl.constexpr):
-    """BM = 64 x (consumer warpgroups): the default partition (num_warps = 4) is consumer 0; the others and the
-    producer warp are worker partitions."""
-    N_CONS: gl.constexpr = BM // 64
-    q_tile = gl.program_id(0)
+def _fwd_item(item, n_q_tiles, BH, SECTION, N_KEYS, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """Work item -> (batch element, first query, key tiles, key tiles before the diagonal). Items go by sections of
+    SECTION batch elements (the launcher's choice: items handed out together share their K and V in L2) and, within
+    one, query tile by query tile across the section, the longest first when causal (a short tail)."""
+    per_section = SECTION * n_q_tiles
+    section = item // per_section
+    size = gl.minimum(SECTION, BH - section * SECTION)
+    r = item - section * per_section
+    q_tile = r // size
     if IS_CAUSAL:
-        q_tile = gl.num_programs(0) - 1 - q_tile  # the longest rows first: a shorter tail of the grid
-    batch = gl.program_id(1)
+        q_tile = n_q_tiles - 1 - q_tile
     q_start = q_tile * BM
     n_key_tiles = gl.cdiv(N_KEYS, BN)
     if IS_CAUSAL:
         n_tiles = gl.minimum(gl.cdiv(q_start + BM, BN), n_key_tiles)
-        n_unmasked = q_start // BN  # key tiles wholly at or before the tile's first query
+        n_unmasked = q_start // BN
     else:
         n_tiles = n_key_tiles
         n_unmasked = n_key_tiles
+    return section * SECTION + r % size, q_start, n_tiles, n_unmasked
 
+
+@gluon.jit
+def _fetch_add_one(counter_ptr, layout: gl.constexpr):
+    """The counter's old value, incremented once by lane 0 of this (one-warp) partition and shared by shuffle."""
+    ptr = (counter_ptr + gl.zeros([1], gl.int32, layout)).to(gl.int64, bitcast=True)
+    old = gl.inline_asm_elementwise(
+        "{ .reg .pred lane0; .reg .b32 lane, got; mov.u32 lane, %laneid; mov.u32 got, 0; setp.eq.u32 lane0, lane, 0; "
+        "@lane0 atom.global.add.u32 got, [$1], 1; shfl.sync.idx.b32 $0, got, 0, 0x1f, 0xffffffff; }",
+        "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1,
+    )
+    return gl.max(old, 0)
+
+
+@gluon.jit
+def _post_item(sched, item_ready, item_empty, j, item, layout: gl.constexpr):
+    """Hand work item `item` (n_work: none left) to the consumers through slot j % 2."""
+    slot = j % 2
+    mbarrier.wait(item_empty.index(slot), ((j // 2) & 1) ^ 1)
+    sched.index(slot).store(gl.full([1], item, gl.int32, layout))
+    mbarrier.arrive(item_ready.index(slot))
+
+
+@gluon.jit
+def _take_item(sched, item_ready, j, layout: gl.constexpr):
+    """Work item j (its slot stays the consumers' until they arrive on its 'empty' barrier)."""
+    slot = j % 2
+    mbarrier.wait(item_ready.index(slot), (j // 2) & 1)
+    return gl.max(sched.index(slot).load(layout), 0)
+
+
+@gluon.jit
+def _fwd_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, sched, counter_ptr, n_work, n_q_tiles, BH,
+               SECTION, N_KEYS, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+               N_CONS: gl.constexpr):
+    """Producer (one warp): takes items from the counter (the first one is the program's id), hands each to the
+    consumers, then loads its Q once both consumers are done with the previous Q, and its K and V tiles into the
+    ring, which runs on across items."""
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item_ready, item_empty = bars
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    Q_BYTES: gl.constexpr = q_desc.block_type.nbytes * N_CONS
+    item = gl.program_id(0)
+    n_programs = gl.num_programs(0)
+    j = 0
+    it = 0
+    while item < n_work:
+        _post_item(sched, item_ready, item_empty, j, item, layout)
+        batch, q_start, n_tiles, n_unmasked = _fwd_item(item, n_q_tiles, BH, SECTION, N_KEYS, IS_CAUSAL, BM, BN)
+        mbarrier.wait(q_empty, (j & 1) ^ 1)
+        mbarrier.expect(q_ready, Q_BYTES)
+        for w in gl.static_range(N_CONS):
+            tma.async_copy_global_to_shared(q_desc, [batch, q_start + w * 64, 0], q_ready, q_smem.index(w))
+        for i in range(n_tiles):
+            stage = it % STAGES
+            phase = (it // STAGES) & 1
+            mbarrier.wait(k_empty.index(stage), phase ^ 1)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, i * BN, 0], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [batch, i * BN, 0], v_ready.index(stage), v_smem.index(stage))
+            it += 1
+        item = _fetch_add_one(counter_ptr, layout) + n_programs
+        j += 1
+    _post_item(sched, item_ready, item_empty, j, n_work, layout)
+
+
+@gluon.jit
+def _fwd_consumer(WG: gl.constexpr, args, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                   D: gl.constexpr, STAGES: gl.constexpr, N_CONS: gl.constexpr, PINGPONG: gl.constexpr):
+    """One consumer warpgroup (its own partition: its barrier arrivals synchronise only its 128 threads) owning 64
+    query rows of each work item: S = Q K^T and O += P V by asynchronous wgmma, the accumulators in registers, online
+    softmax in base 2, then its own epilogue (O through a shared-memory buffer by TMA, L by a masked store).
+
+    Software pipelined as FlashAttention-3's intra-warpgroup overlap: S of tile i+1 and P V of tile i are both
+    in flight while the softmax of tile i+1 runs; O is rescaled once its wgmma has retired. With PINGPONG the
+    warpgroups take turns issuing their GEMMs (mbarriers 'turn'), so that one's softmax runs under the other's
+    GEMMs. The ring's position, the turns and Q's phase run on across items; Q is released as soon as the item's
+    last S has retired (the producer loads the next item's Q under the last P V and the epilogue), and O's buffer is
+    waited for (its previous TMA store) only when it is next written."""
+    q_smem, k_smem, v_smem, o_smem, bars, sched, o_desc, L_ptr, n_work, n_q_tiles, BH, SECTION, N_QUERIES, \
+        N_KEYS, qk_scale = args
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item_ready, item_empty = bars
+    BMW: gl.constexpr = 64
+    s_layout: gl.constexpr = mma_layout(4, BN)
+    o_layout: gl.constexpr = mma_layout(4, D)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    item_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    dtype: gl.constexpr = q_smem.dtype
+    q = q_smem.index(WG).reshape([BMW, D])
+    s_zero = gl.zeros([BMW, BN], gl.float32, s_layout)
+    j = 0
+    it = 0  # key tiles of the items before: the ring's position; it + j is the ping-pong turn's
+    item = _take_item(sched, item_ready, j, item_layout)
+    while item < n_work:
+        batch, q_start, n_tiles, n_unmasked = _fwd_item(item, n_q_tiles, BH, SECTION, N_KEYS, IS_CAUSAL, BM, BN)
+        row_start = q_start + WG * BMW
+        mbarrier.wait(q_ready, j & 1)
+        stage = it % STAGES
+        mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+        _turn_wait(turn, WG, it + j, PINGPONG)
+        s = warpgroup_mma(q, k_smem.index(stage).reshape([BN, D]).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+        _turn_pass(turn, WG, N_CONS, PINGPONG)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(stage))
+        s = _masked_scores(s, 0, row_start, n_unmasked, N_KEYS, IS_CAUSAL, BMW, BN, s_layout)
+        m_i = gl.max(s, 1) * qk_scale
+        p = gl.exp2(s * qk_scale - m_i[:, None])
+        l_i = gl.sum(p, 1)
+        acc = gl.zeros([BMW, D], gl.float32, o_layout)
+        for i in range(1, n_tiles):
+            stage = (it + i) % STAGES
+            prev = (it + i - 1) % STAGES
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.wait(k_ready.index(stage), ((it + i) // STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), ((it + i - 1) // STAGES) & 1)
+            _turn_wait(turn, WG, it + j + i, PINGPONG)
+            s = warpgroup_mma(q, k_smem.index(stage).reshape([BN, D]).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+            acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BN, D]), acc, is_async=True)
+            _turn_pass(turn, WG, N_CONS, PINGPONG)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            mbarrier.arrive(k_empty.index(stage))
+            s = _masked_scores(s, i, row_start, n_unmasked, N_KEYS, IS_CAUSAL, BMW, BN, s_layout)
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+            mbarrier.arrive(v_empty.index(prev))
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.arrive(q_empty)  # every S of this item has retired: the producer may load the next Q
+        last = (it + n_tiles - 1) % STAGES
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // STAGES) & 1)
+        _turn_wait(turn, WG, it + j + n_tiles, PINGPONG)
+        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BN, D]), acc, is_async=True)
+        _turn_pass(turn, WG, N_CONS, PINGPONG)
+        acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+        mbarrier.arrive(v_empty.index(last))
+
+        # the item again from its slot (fewer registers live across the loop), then the slot goes back
+        item = _take_item(sched, item_ready, j, item_layout)
+        mbarrier.arrive(item_empty.index(j % 2))
+        batch, q_start, n_tiles, n_unmasked = _fwd_item(item, n_q_tiles, BH, SECTION, N_KEYS, IS_CAUSAL, BM, BN)
+        row_start = q_start + WG * BMW
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        o = (acc / l_o[:, None]).to(dtype)
+        tma.store_wait(0)  # the previous item's O has left this buffer
+        gl.thread_barrier()
+        # The buffer's index as a function of the item read after the loop (it is WG: items are never negative), so
+        # that the compiler cannot compute the store's addresses once before every loop and hold them throughout.
+        o_buf = o_smem.index(WG + (item < 0).to(gl.int32))
+        o_buf.reshape([BMW, D]).store(o)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, row_start, 0], o_buf)
+        rows = row_start + gl.arange(0, BMW, m_i.type.layout)
+        lse = (m_i + gl.log2(l_i)) * LN2  # natural-log units
+        gl.store(L_ptr + batch.to(gl.int64) * N_QUERIES + rows, lse, mask=rows < N_QUERIES)
+        it += n_tiles
+        j += 1
+        item = _take_item(sched, item_ready, j, item_layout)
+    mbarrier.arrive(item_empty.index(j % 2))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def flash_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L_ptr, counter_ptr, N_QUERIES, N_KEYS, BH, SECTION,
+                                qk_scale, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                                D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                                CONS_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """BM = 64 x (consumer warpgroups): the default partition (num_warps = 4) is consumer 0; the others and the
+    producer warp are worker partitions. `counter_ptr` (int32, zero at launch) hands out the work items after each
+    program's first (its program id); BH batch elements, in sections of SECTION (`_fwd_item`)."""
+    N_CONS: gl.constexpr = BM // 64
+    n_q_tiles = gl.cdiv(N_QUERIES, BM)
+    n_work = n_q_tiles * BH
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [N_CONS, 1, 64, D], q_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [N_CONS, 1, 64, D], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BN, D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [N_CONS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=N_CONS)
     for s in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(k_empty.index(s), count=N_CONS)
@@ -222,28 +309,31 @@ def flash_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L_ptr, N_QUERIES, N_KEYS, q
         mbarrier.init(v_empty.index(s), count=N_CONS)
     for w in gl.static_range(N_CONS):
         mbarrier.init(turn.index(w), count=1)
-    bars = (q_bar, k_ready, k_empty, v_ready, v_empty, turn)
+    for s in gl.static_range(2):
+        mbarrier.init(item_ready.index(s), count=1)
+        mbarrier.init(item_empty.index(s), count=N_CONS)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, turn, item_ready, item_empty)
 
-    args = (q_smem, k_smem, v_smem, bars, o_desc, L_ptr, batch, q_start, n_tiles, n_unmasked, N_QUERIES, N_KEYS,
-            qk_scale)
+    args = (q_smem, k_smem, v_smem, o_smem, bars, sched, o_desc, L_ptr, n_work, n_q_tiles, BH, SECTION, N_QUERIES,
+            N_KEYS, qk_scale)
     if N_CONS == 1:
         gl.warp_specialize([
-            (_fwd_consumer, (0, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
-            (_fwd_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, q_start, n_tiles, BN, STAGES, N_CONS)),
+            (_fwd_consumer, (0, args, IS_CAUSAL, BM, BN, D, STAGES, N_CONS, PINGPONG)),
+            (_fwd_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, sched, counter_ptr, n_work, n_q_tiles, BH, SECTION, N_KEYS, IS_CAUSAL, BM, BN, STAGES, N_CONS)),
         ], [1], [24])
-    elif N_CONS == 2:
-        gl.warp_specialize([
-            (_fwd_consumer, (0, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
-            (_fwd_consumer, (1, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
-            (_fwd_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, q_start, n_tiles, BN, STAGES, N_CONS)),
-        ], [4, 1], [CONS_REGS, 24])
     else:
         gl.warp_specialize([
-            (_fwd_consumer, (0, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
-            (_fwd_consumer, (1, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
-            (_fwd_consumer, (2, args, IS_CAUSAL, BN, D, STAGES, N_CONS, PINGPONG)),
-            (_fwd_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, batch, q_start, n_tiles, BN, STAGES, N_CONS)),
-        ], [4, 4, 1], [CONS_REGS, CONS_REGS, 24])
+            (_fwd_consumer, (0, args, IS_CAUSAL, BM, BN, D, STAGES, N_CONS, PINGPONG)),
+            (_fwd_consumer, (1, args, IS_CAUSAL, BM, BN, D, STAGES, N_CONS, PINGPONG)),
+            (_fwd_load, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, sched, counter_ptr, n_work, n_q_tiles, BH, SECTION, N_KEYS, IS_CAUSAL, BM, BN, STAGES, N_CONS)),
+        ], [4, 1], [CONS_REGS, 24])
+
+
+@gluon.jit
+def zero_kernel(ptr, num_warps: gl.constexpr):
+    """Zeroes one int32 (the persistent forward's work counter: a launch, so that flash_replay repeats it)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.store(ptr + gl.arange(0, 1, layout), gl.zeros([1], gl.int32, layout))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -11,10 +11,14 @@ fails on a CPU-only machine.
 
 Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
 
-- Forward, one program per (query tile of BM = 128 rows, batch element), later query tiles launched first when
-  causal. `gl.warp_specialize` splits it into a producer partition (one warp, 24 registers) that TMA-loads each
-  consumer's 64 rows of Q once and K, V of each key tile into a STAGES-deep shared-memory ring guarded by
-  ready/empty mbarriers (K and V on separate barriers), and two consumer partitions of one warpgroup each (the
+- Forward, persistent: one program per SM takes work items (a query tile of BM = 128 rows of one batch element)
+  from a counter in global memory (zeroed by a launch of its own), in sections of one or two batch elements
+  (`_section`) and, causal, the longest tiles first; the producer hands each item to the consumers through
+  shared memory and loads the next item's Q, K and V while they finish the current one, so that a tile's
+  prologue and epilogue no longer stand alone (measured: FINDINGS.md). `gl.warp_specialize` splits each program
+  into a producer partition (one warp, 24 registers) that TMA-loads each consumer's 64 rows of Q once per item
+  and K, V of each key tile into a STAGES-deep shared-memory ring guarded by ready/empty mbarriers (K and V on
+  separate barriers, the ring running on across items), and two consumer partitions of one warpgroup each (the
   default partition, num_warps = 4, and a 4-warp worker; 240 registers after `setmaxnreg`), 64 query rows each.
   Being separate partitions, each arrives on the 'empty' barriers (count 2) with a barrier of its own 128
   threads only, so the warpgroups never wait for each other. Each runs S = Q K^T and O += P V as asynchronous
@@ -23,8 +27,8 @@ Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
   and at d = 128 the two take turns issuing their GEMMs (ping-pong through two 'turn' mbarriers), so that one's
   softmax runs under the other's GEMMs. Softmax in base 2 (exp2 of s * scale * log2(e) - m); only diagonal (and
   ragged last) tiles build a mask, tiles above the diagonal are never loaded. Each consumer writes its O rows
-  through shared memory by a TMA store, and its L rows. At d = 64 up to 4,096 tokens a program has one
-  consumer (BM = 64) and two programs share an SM.
+  through a shared-memory buffer of its own by a TMA store, and its L rows. At d = 64 up to 4,096 tokens a
+  program has one consumer (BM = 64) and two programs share an SM.
 - Backward, one program per (key tile of BN = 128 rows at d = 128, 64 at d = 64, batch element): the producer
   warp loads K, V once, then Q, dO, L log2(e) and Delta of each query tile (BM = 64) into a ring; the consumer
   warpgroups (64 keys each: two at d = 128; one at d = 64, two programs per SM) compute S^T = K Q^T and
@@ -43,8 +47,8 @@ Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
 - Descriptors are 3-D (batch, seq, d) with (1, tile, d) blocks: a tile never reads the next batch element's rows
   (TMA zero-fills rows past seq) and TMA stores clip them.
 
-Not (yet) of FA3: FP8, persistent tile scheduling, a separate dQ-writer warp (the consumers issue the TMA
-reduction themselves), separate consumer partitions in the backward (its two warpgroups share dS for dQ).
+Not (yet) of FA3: FP8, a persistent backward, a separate dQ-writer warp (the consumers issue the TMA reduction
+themselves), separate consumer partitions in the backward (its two warpgroups share dS for dQ).
 """
 
 from __future__ import annotations
@@ -170,6 +174,26 @@ def backward_config(head_dim: int, seq_len: int, is_causal: bool) -> Config:
     return _bwd_config(64, 64, 3) if head_dim == 64 else _bwd_config(64, 128, 2)
 
 
+def _programs_per_sm(cfg: Config) -> int:
+    """A forward program with one consumer warpgroup leaves room for a second on its SM (`_register_split`)."""
+    return 2 if cfg.bm == 64 else 1
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _section(device: torch.device, n_keys: int, head_dim: int, element_size: int, batch: int) -> int:
+    """Batch elements per section of the forward's work order: 2 where two elements' K and V take at most a third
+    of L2, else 1. Measured on an H200 (FINDINGS.md): two beat one at 4k-16k tokens, and sections as large as half
+    of L2 lost to both (at 32k tokens, d = 128, two elements' K and V are 32 MiB and two lost 1-4 %)."""
+    kv_bytes = 2 * n_keys * head_dim * element_size
+    fits = 2 * kv_bytes <= torch.cuda.get_device_properties(device).L2_cache_size // 3
+    return min(batch, 2 if fits else 1)
+
+
 @functools.cache
 def _kernels():
     from cs336_systems.kernels.hopper import _kernels
@@ -247,14 +271,21 @@ def forward(
     cfg = forward_config(d, max(n_queries, n_keys), is_causal)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's strides
     lse = torch.empty((batch, n_queries), dtype=torch.float32, device=q.device)
+    # the persistent kernel's work counter, zeroed by a launch of its own (flash_replay repeats launches, not fills)
+    counter = torch.empty(1, dtype=torch.int32, device=q.device)
+    _launch("zero_kernel")((), (1,), (counter,), lambda: {"num_warps": 1})
+    n_work = math.ceil(n_queries / cfg.bm) * batch
+    section = _section(q.device, n_keys, d, q.element_size(), batch)
     descriptors = _descriptor(q, (1, 64, d)), _descriptor(k, (1, cfg.bn, d)), _descriptor(v, (1, cfg.bn, d))
     _launch("flash_fwd_kernel")(
         (q.dtype, batch, n_queries, n_keys, d, is_causal, cfg),
-        (math.ceil(n_queries / cfg.bm), batch),
-        (*descriptors, _descriptor(o, (1, 64, d)), lse),
+        (min(n_work, _programs_per_sm(cfg) * _sm_count(q.device)),),
+        (*descriptors, _descriptor(o, (1, 64, d)), lse, counter),
         lambda: {
             "N_QUERIES": n_queries,
             "N_KEYS": n_keys,
+            "BH": batch,
+            "SECTION": section,
             "qk_scale": math.log2(math.e) / math.sqrt(d),
             "IS_CAUSAL": is_causal,
             "BM": cfg.bm,
