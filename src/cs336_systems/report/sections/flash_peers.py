@@ -361,11 +361,11 @@ def profile_findings(ok: pd.DataFrame) -> str:
             ours_f, cudnn_f = main.loc[(ours, "forward")], main.loc[("cuDNN", "forward")]
             sentences.append(
                 f"At {shape}, forward: {ours} keeps the tensor pipe busy {ours_f['tensor_pipe_pct']:.0f} % of the "
-                f"time (CTAs of {ours_f['block_size']:.0f} threads at {ours_f['registers_per_thread']:.0f} "
-                f"registers each, {ours_f['achieved_occupancy_pct']:.1f} % occupancy, top stall "
-                f"{ours_f['stall_1']}) against cuDNN's {cudnn_f['tensor_pipe_pct']:.0f} % "
-                f"({cudnn_f['block_size']:.0f} threads at {cudnn_f['registers_per_thread']:.0f} registers, a "
-                f"persistent grid of {cudnn_f['grid_size']:.0f} CTAs): "
+                f"time (a grid of {ours_f['grid_size']:,.0f} CTAs of {ours_f['block_size']:.0f} threads at "
+                f"{ours_f['registers_per_thread']:.0f} registers each, {ours_f['achieved_occupancy_pct']:.1f} % "
+                f"occupancy, top stall {ours_f['stall_1']}) against cuDNN's {cudnn_f['tensor_pipe_pct']:.0f} % "
+                f"({cudnn_f['grid_size']:,.0f} CTAs of {cudnn_f['block_size']:.0f} threads at "
+                f"{cudnn_f['registers_per_thread']:.0f} registers): "
                 f"{units.loc[(ours, 'forward'), 'ms'] / units.loc[('cuDNN', 'forward'), 'ms']:.2f}× its time."
             )
             work = units.loc[(ours, "backward"), "ops"] / units.loc[("cuDNN", "backward"), "ops"]
