@@ -139,8 +139,8 @@ def _take_item(sched, item_ready, j, layout: gl.constexpr):
 
 @gluon.jit
 def _fwd_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, sched, counter_ptr, n_work, n_q_tiles, BH,
-               SECTION, N_KEYS, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
-               N_CONS: gl.constexpr):
+              SECTION, N_KEYS, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
+              N_CONS: gl.constexpr):
     """Producer (one warp): takes items from the counter (the first one is the program's id), hands each to the
     consumers, then loads its Q once both consumers are done with the previous Q, and its K and V tiles into the
     ring, which runs on across items."""
@@ -175,7 +175,7 @@ def _fwd_load(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, sched, count
 
 @gluon.jit
 def _fwd_consumer(WG: gl.constexpr, args, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                   D: gl.constexpr, STAGES: gl.constexpr, N_CONS: gl.constexpr, PINGPONG: gl.constexpr):
+                  D: gl.constexpr, STAGES: gl.constexpr, N_CONS: gl.constexpr, PINGPONG: gl.constexpr):
     """One consumer warpgroup (its own partition: its barrier arrivals synchronise only its 128 threads) owning 64
     query rows of each work item: S = Q K^T and O += P V by asynchronous wgmma, the accumulators in registers, online
     softmax in base 2, then its own epilogue (O through a shared-memory buffer by TMA, L by a masked store).
@@ -275,12 +275,12 @@ def _fwd_consumer(WG: gl.constexpr, args, IS_CAUSAL: gl.constexpr, BM: gl.conste
 
 
 @gluon.jit
-def flash_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L_ptr, counter_ptr, N_QUERIES, N_KEYS, BH, SECTION,
-                                qk_scale, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                                D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-                                CONS_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """BM = 64 x (consumer warpgroups): the default partition (num_warps = 4) is consumer 0; the others and the
-    producer warp are worker partitions. `counter_ptr` (int32, zero at launch) hands out the work items after each
+def flash_fwd_kernel(q_desc, k_desc, v_desc, o_desc, L_ptr, counter_ptr, N_QUERIES, N_KEYS, BH, SECTION, qk_scale,
+                     IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                     STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONS_REGS: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """BM = 64 x (consumer warpgroups, one or two): the default partition (num_warps = 4) is consumer 0; the other
+    and the producer warp are worker partitions. `counter_ptr` (int32, zero at launch) hands out the work items after each
     program's first (its program id); BH batch elements, in sections of SECTION (`_fwd_item`)."""
     N_CONS: gl.constexpr = BM // 64
     n_q_tiles = gl.cdiv(N_QUERIES, BM)

@@ -130,6 +130,8 @@ def _env_config(name: str) -> Config | None:
 
 def _fwd_config(bm: int, bn: int, stages: int, pingpong: bool) -> Config:
     # One consumer warpgroup per 64 query rows, each its own partition (the default one: 4 warps).
+    if bm not in (64, 128):
+        raise ValueError(f"the forward runs one or two consumer warpgroups: BM 64 or 128, got {bm}")
     n_cons = bm // 64
     maxnreg, cons_regs = _register_split(n_cons)
     return Config(bm=bm, bn=bn, stages=stages, num_warps=4, maxnreg=maxnreg, pingpong=pingpong and n_cons > 1,
