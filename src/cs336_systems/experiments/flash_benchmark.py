@@ -36,6 +36,7 @@ cache. The rows are written to --out and printed as a table, e.g.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -243,6 +244,11 @@ def host_overhead(args: argparse.Namespace, cells: list[tuple], device: torch.de
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         for impl in args.impls:
             torch._dynamo.reset()  # a compiled impl meets a fresh cache in each cell
+            # One forward and backward first, as training has run before the forward timed here: a shape's
+            # flash_replay plan is registered at its first backward, so a forward alone would time the Python path.
+            if device.type == "cuda":
+                with contextlib.suppress(Exception):  # an impl that fails says why in its rows below
+                    _attention_step(args, impl, "forward_backward", q, k, v, do)()
             for pass_name in bench.HOST_PASSES:
                 row = {"impl": impl, "tier": None, **columns, "pass": pass_name, **measure}
                 try:
