@@ -1,7 +1,8 @@
 # §1.3.2–1.3.4 FlashAttention-2: the benchmark grid (ours vs naive PyTorch vs SDPA) and the leaderboard timing;
-# the grid against PyTorch's fastest attention (SDPA's cuDNN and flash backends, compiled FlexAttention) and an
-# Nsight Compute profile of our kernels beside cuDNN's; ours against cuDNN at the shapes of the Hopper tier's goals. Without a GPU, flash_benchmark and flash_peers check our
-# kernels in the Triton interpreter against a float64 reference instead of timing them.
+# the grid against PyTorch's fastest attention (SDPA's cuDNN and flash backends, compiled FlexAttention), an
+# Nsight Compute profile of our kernels beside cuDNN's, and ours against cuDNN at the shapes of the Hopper tier's
+# goals. Without a GPU, flash_benchmark, flash_peers and flash_goals check our kernels in the Triton interpreter
+# against a float64 reference instead of timing them.
 FLASH, BOARD, PEERS, GOALS, FLASH_NCU = R["flash"], R["leaderboard"], R["flash_peers"], R["flash_goals"], R["flash_ncu"]
 FLASH_CODE = code("bench/flash_variants.py", *FLASH_KERNEL_CODE)
 

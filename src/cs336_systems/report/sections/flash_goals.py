@@ -69,6 +69,7 @@ def gpu(meta: dict) -> str:
 
 
 def shape_text(shape: tuple[int, ...]) -> str:
+    """(batch, heads, sequence, head dim) as the writeup names a shape: 1×32×32,768×128."""
     return "×".join(f"{n:,}" for n in shape)
 
 

@@ -323,7 +323,9 @@ def kernel_profile(ctx: Context) -> str:
     out = [provenance_line(metas), ""]
     if ok.empty:
         return "\n".join(out + [f"No kernel was profiled: {frame['error'].dropna().iloc[0]}"])
-    ok["shape"] = ok.apply(lambda r: f"{r['batch_size']}×{r['heads']}×{r['seq_len']:,}×{r['d_head']}", axis=1)
+    ok["shape"] = ok.apply(
+        lambda r: flash_goals.shape_text((r["batch_size"], r["heads"], r["seq_len"], r["d_head"])), axis=1
+    )
     ok["kernel"] = ok["kernel"].map(short_kernel)
     ok["impl"] = ok["impl"].map(PEERS)
     ok["top stalls"] = ok.apply(lambda r: f"{r['stall_1']} {r['stall_1_cycles']:.2f}, {r['stall_2']} "
