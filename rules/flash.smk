@@ -1,9 +1,11 @@
 # §1.3.2–1.3.4 FlashAttention-2: the benchmark grid (ours vs naive PyTorch vs SDPA) and the leaderboard timing;
 # the grid against PyTorch's fastest attention (SDPA's cuDNN and flash backends, compiled FlexAttention), an
 # Nsight Compute profile of our kernels beside cuDNN's, and ours against cuDNN at the shapes of the Hopper tier's
-# goals. Without a GPU, flash_benchmark, flash_peers and flash_goals check our kernels in the Triton interpreter
-# against a float64 reference instead of timing them.
+# goals, and the host's per-call time of back-to-back calls at the spec grid's short sequences (flash_host). Without
+# a GPU, flash_benchmark, flash_peers and flash_goals check our kernels in the Triton interpreter against a float64
+# reference instead of timing them, and flash_host writes skipped rows.
 FLASH, BOARD, PEERS, GOALS, FLASH_NCU = R["flash"], R["leaderboard"], R["flash_peers"], R["flash_goals"], R["flash_ncu"]
+FLASH_HOST = R["flash_host"]
 FLASH_CODE = code("bench/flash_variants.py", *FLASH_KERNEL_CODE)
 
 
@@ -130,6 +132,39 @@ rule flash_goals:
         "--impls {params.impls} --warmup-ms {params.warmup_ms} --rep-ms {params.rep_ms} --out {output.csv} 2> {log}"
 
 
+# The short-sequence goal's measure: at the spec grid's cells (batch 1, one head, causal, d 64) do_bench times the
+# host's per-call path less its L2 flush, so the goal is judged on back-to-back calls instead, one job per dtype.
+rule flash_host:
+    message:
+        "FlashAttention-2 host time per call, back to back, {wildcards.dtype}, head dim 64 (causal) -> {output.csv}"
+    input:
+        code("experiments/flash_benchmark.py") + FLASH_CODE,
+    output:
+        csv=report(f"{RESULTS}/flash_host/{{dtype}}.csv", caption="report/flash_host.rst",
+                   category="Results", subcategory="1.3.2–1.3.4 FlashAttention-2"),
+        json=f"{RESULTS}/flash_host/{{dtype}}.json",
+    wildcard_constraints:
+        dtype="bfloat16|float32",
+    params:
+        seq_lens=listed(FLASH_HOST["seq_lens"]),
+        impls=listed(FLASH_HOST["impls"]),
+        calls=FLASH_HOST["calls"],
+        repeats=FLASH_HOST["repeats"],
+        gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/flash_host/{w.dtype}.csv"),
+    threads: NEEDS["model"].threads
+    resources:
+        **job("model", gpu=GPU_JOB),
+    log:
+        f"{RESULTS}/logs/flash_host/{{dtype}}.log",
+    conda:
+        ENV
+    shell:
+        "pin_gpus {resources.gpu}; "
+        "python -m cs336_systems.experiments.flash_benchmark --host-overhead --seq-lens {params.seq_lens} "
+        "--d-heads 64 --dtypes {wildcards.dtype} --heads 1 --causal --impls {params.impls} --calls {params.calls} "
+        "--repeats {params.repeats} --out {output.csv} 2> {log}"
+
+
 rule flash_ncu:
     message:
         "FlashAttention-2 under Nsight Compute -> {output.csv}"
@@ -193,4 +228,5 @@ WRITEUP_INPUTS += [f"{RESULTS}/leaderboard/leaderboard.csv"]
 WRITEUP_INPUTS += expand(f"{RESULTS}/flash_peers/{{mask}}_d{{d_head}}.csv", mask=PEERS["masks"],
                          d_head=PEERS["d_heads"])
 WRITEUP_INPUTS += expand(f"{RESULTS}/flash_goals/{{shape}}.csv", shape=GOALS["shapes"])
+WRITEUP_INPUTS += expand(f"{RESULTS}/flash_host/{{dtype}}.csv", dtype=FLASH_HOST["dtypes"])
 WRITEUP_INPUTS += [f"{RESULTS}/flash_ncu/kernels.csv", f"{RESULTS}/gpu_tests/kernels.csv"]

@@ -4,6 +4,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from cs336_systems.measure.provenance import write_rows
 from cs336_systems.report.context import Context
 from cs336_systems.report.sections import flash_goals
@@ -87,30 +89,151 @@ def test_each_goal_is_judged_on_every_gpu_that_measured_its_shape(tmp_path):
     assert "Goals met: 3 of 6 pass; not met:" in text
 
 
-def test_the_spec_grid_goals_take_the_worst_short_cell_per_dtype_and_the_median_of_all(tmp_path):
+def spec_grid(path: Path) -> None:
+    """A do_bench grid (forward + backward, d 64) whose ours ÷ SDPA per cell is known; bf16 at 128 tokens also has
+    its passes timed apart."""
     grid = []
     for dtype, ratios in (("bfloat16", {128: 1.2, 256: 0.5, 2048: 3.0}), ("float32", {128: 1.4, 256: 0.5})):
         for seq, ratio in ratios.items():
             for impl, ms in (("triton", ratio), ("sdpa", 1.0)):
                 grid.append({"impl": impl, "dtype": dtype, "d_head": 64, "seq_len": seq, "pass": "forward_backward",
                              "ms": ms, "status": "ok"})  # fmt: skip
+    grid += [
+        {
+            "impl": "triton",
+            "dtype": "bfloat16",
+            "d_head": 64,
+            "seq_len": 128,
+            "pass": p,
+            "ms": ms,
+            "status": "ok",
+        }
+        for p, ms in (("forward", 0.3), ("backward", 0.2))
+    ]  # passes apart of ours alone: no SDPA ratio, so not among the median's cells
+    timed(path, grid, "NVIDIA H200", {"dtypes": ["bfloat16", "float32"], "d_heads": [64]})
+
+
+def host_rows(dtype: str, ratios: dict[int, float]) -> list[dict]:
+    """A flash_host table as a GPU run writes it: the empty kernels' launches, then per sequence length ours and
+    SDPA, forward and forward + backward. SDPA's forward + backward takes 100 µs per call and ours `ratio` times that;
+    the forwards, a d 128 cell and a 2,048-token cell are far worse, and must not be judged."""
+    measure = {"calls": 50, "repeats": 20, "status": "ok"}
+    rows = [
+        {"impl": name, "tier": None, "pass": "launch", "host_us": 3.0, "wall_us": 4.0, **measure}
+        for name in ("empty_triton_kernel", "empty_triton_kernel_cached")
+    ]
+    cells = [(seq, 64, ratio) for seq, ratio in ratios.items()] + [(2048, 64, 9.0), (128, 128, 9.0)]
+    for seq, d_head, ratio in cells:
+        shape = {
+            "dtype": dtype,
+            "seq_len": seq,
+            "d_head": d_head,
+            "batch_size": 1,
+            "heads": 1,
+            "causal": True,
+        }
+        for impl, wall, host in (("triton", 100.0 * ratio, 40.0 + seq / 1000), ("sdpa", 100.0, 60.0)):
+            tier = "hopper" if impl == "triton" else "pytorch"
+            rows.append({"impl": impl, "tier": tier, **shape, "pass": "forward_backward", "host_us": host,
+                         "wall_us": wall, **measure})  # fmt: skip
+            rows.append({"impl": impl, "tier": tier, **shape, "pass": "forward", "host_us": host / 2,
+                         "wall_us": 50.0 if impl == "sdpa" else 450.0, **measure})  # fmt: skip
+    return rows
+
+
+@pytest.mark.parametrize(("worst", "result"), [(1.2, "pass"), (1.5, "FAIL")])
+def test_the_short_sequence_goal_takes_the_worst_back_to_back_cell_per_dtype(tmp_path, worst, result):
     timed(
-        tmp_path / "flash/benchmark.csv",
-        grid,
-        "NVIDIA H100",
-        {"dtypes": ["bfloat16", "float32"], "d_heads": [64]},
+        tmp_path / "flash_host/bfloat16.csv",
+        host_rows("bfloat16", {128: 1.0, 256: worst, 1024: 0.9}),
+        "NVIDIA H100 80GB HBM3",
     )
-    rows = rows_of(flash_goals.render(Context("gpu", tmp_path, tmp_path / "out")))
-    bf16 = next(r for g, r in rows.items() if g.startswith("spec grid, bfloat16, d 64, 128–256 tokens"))
-    assert bf16[1:] == [
-        "worst 1.20 × (128 tokens: 1.200 against 1.000 ms)",
+    text = flash_goals.render(Context("gpu", tmp_path, tmp_path / "out"))
+    rows = rows_of(text)
+    goal = "back-to-back calls, bfloat16, d 64, 128–1,024 tokens, forward + backward: ours ≤ 1.3 × SDPA in every cell"
+    assert rows[goal] == [
+        "H100 80GB HBM3, abcdef0123",
+        f"worst {worst:.2f} × (256 tokens: {100 * worst:.1f} against 100.0 µs per call; on the host 40.3 against "
+        "60.0 µs)",
+        "≤ 1.3",
+        result,
+    ]
+    assert [g for g in rows if "ours ≤" in g] == [
+        goal
+    ]  # one verdict: forwards, d 128, 2,048 tokens not judged
+    assert f"Goals met: {int(result == 'pass')} of 1 pass" in text
+    # the flash_host table: every d 64 cell, both passes, the wall ratio; the grid's sentence only beside a grid
+    assert "| bfloat16 | 256      | forward + backward |" in text
+    assert text.count("\n| bfloat16 |") == 4 * 2  # d 64: 128, 256, 1,024 and 2,048 tokens, two passes each
+    assert "medians over 20 runs of 50 calls" in text
+    assert "On the spec grid" not in text
+
+
+def test_skipped_host_rows_are_not_judged(tmp_path):
+    """A run without CUDA writes flash_host rows that say skipped: no verdict from them, and no table."""
+    skipped = [
+        {
+            "impl": impl,
+            "tier": None,
+            "pass": p,
+            "calls": 50,
+            "repeats": 20,
+            "ms": None,
+            "status": "skipped",
+            "reason": "needs CUDA",
+            "dtype": "float32",
+            "seq_len": 128,
+            "d_head": 64,
+            "batch_size": 1,
+            "heads": 1,
+            "causal": True,
+        }  # fmt: skip
+        for impl in ("triton", "sdpa")
+        for p in ("forward", "forward_backward")
+    ]
+    write_rows(skipped, tmp_path / "flash_host/float32.csv", {})
+    text = flash_goals.render(Context("cpu", tmp_path, tmp_path / "out"))
+    assert text.startswith("_Not judged in this run")
+    spec_grid(tmp_path / "flash/benchmark.csv")  # a timed grid beside them: its median alone is judged
+    text = flash_goals.render(Context("gpu", tmp_path, tmp_path / "out"))
+    assert list(rows_of(text)) == ["spec grid, all 5 cells and passes: median of ours ÷ SDPA ≤ 1"]
+    assert "judged on back-to-back calls (`flash_host`), which timed no such cell of ours and SDPA" in text
+    assert "On the spec grid" not in text and "µs" not in text
+
+
+def test_the_grid_median_is_judged_on_the_grid_and_its_short_cells_are_only_described(tmp_path):
+    spec_grid(tmp_path / "flash/benchmark.csv")
+    timed(
+        tmp_path / "flash_host/bfloat16.csv",
+        host_rows("bfloat16", {128: 0.8, 256: 0.7}),
+        "NVIDIA H100 80GB HBM3",
+    )
+    text = flash_goals.render(Context("gpu", tmp_path, tmp_path / "out"))
+    rows = rows_of(text)
+    goals = [g for g in rows if g.startswith(("spec grid", "back-to-back"))]
+    assert goals == [
+        "back-to-back calls, bfloat16, d 64, 128–256 tokens, forward + backward: ours ≤ 1.3 × SDPA in every cell",
+        "spec grid, all 5 cells and passes: median of ours ÷ SDPA ≤ 1",
+    ]  # no grid row per dtype for the short sequences
+    assert rows[goals[0]][1:] == [
+        "worst 0.80 × (128 tokens: 80.0 against 100.0 µs per call; on the host 40.1 against 60.0 µs)",
         "≤ 1.3",
         "pass",
-    ]  # no passes apart
-    fp32 = next(r for g, r in rows.items() if g.startswith("spec grid, float32"))
-    assert fp32[-1] == "FAIL"
-    median = next(r for g, r in rows.items() if g.startswith("spec grid, all 5 cells"))
-    assert median[1:] == ["1.20", "≤ 1", "FAIL"]  # median of 1.2, 0.5, 3.0, 1.4, 0.5
+    ]
+    assert rows[goals[1]] == [
+        "H200, abcdef0123",
+        "1.20",
+        "≤ 1",
+        "FAIL",
+    ]  # median of 1.2, 0.5, 3.0, 1.4, 0.5
+    assert (
+        "On the spec grid, `do_bench` put ours' worst forward + backward at d 64 and 128–256 tokens at 1.20 × SDPA's "
+        "in bfloat16 (128 tokens on H200, abcdef0123: 1.200 against 1.000 ms; ours' forward and backward timed "
+        "apart: 0.300 + 0.200 ms); 1.40 × SDPA's in float32 (128 tokens on H200, abcdef0123: 1.400 against 1.000 "
+        "ms). Those cells time the host's per-call path less the L2 flush `do_bench` runs before every call "
+        "(measured in the Hopper tier's FINDINGS.md), so the short-sequence goal is judged on back-to-back calls "
+        "(`flash_host`) instead."
+    ) in text
 
 
 def test_no_timings_no_verdict(tmp_path):

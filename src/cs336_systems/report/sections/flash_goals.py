@@ -1,13 +1,14 @@
 """The Hopper tier's goals, each judged on every measurement of its shape: ours against cuDNN at the two
-leaderboards' attention shapes (flash_goals, and flash_peers where its grid holds the shape), and against SDPA over
-the spec's grid (flash)."""
+leaderboards' attention shapes (flash_goals, and flash_peers where its grid holds the shape), against SDPA over the
+spec's grid (flash), and at the grid's short sequences against SDPA per call of back-to-back calls (flash_host):
+there `do_bench` times the host's per-call path less its L2 flush, not what a call costs a training loop."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from cs336_systems.report.context import Context
-from cs336_systems.report.formatting import commit_text, md
+from cs336_systems.report.formatting import commit_text, md, or_dash, text_md
 from cs336_systems.report.sections.flash import interpreted
 
 # (batch, heads, sequence, head dim), causal, bf16; the pass; the bound on ours ÷ cuDNN (same run).
@@ -20,14 +21,17 @@ CUDNN_GOALS = [
 # The 2025 leaderboard's attention, forward + backward, in ms on an H100.
 H100_GOAL = ((1, 16, 16384, 64), "forward_backward", 4.5)
 # The spec's grid (§1.3.2): forward + backward at head dim 64 up to SHORT tokens within SHORT_BOUND x SDPA's time,
-# and the median of ours ÷ SDPA over every cell and pass at most 1.
-SHORT, SHORT_BOUND = 1024, 1.3
+# judged on the wall time per call of back-to-back calls (flash_host), and the median of ours ÷ SDPA over every
+# do_bench cell and pass at most 1.
+SHORT, SHORT_BOUND, SHORT_D_HEAD = 1024, 1.3, 64
 PASS_NAMES = {"forward": "forward", "backward": "backward", "forward_backward": "forward + backward"}
 SHAPE = ["batch_size", "heads", "seq_len", "d_head", "pass"]
 
 
 def render(ctx: Context) -> str:
-    rows = cudnn_goals(ctx) + grid_goals(ctx)
+    hosts = host_tables(ctx)
+    short = host_goals(hosts)
+    rows = cudnn_goals(ctx) + short + grid_goals(ctx)
     if not rows:
         return (
             "_Not judged in this run: the goals compare timings, and no table here timed ours on a GPU._"
@@ -40,17 +44,34 @@ def render(ctx: Context) -> str:
         verdict += "; not met: " + "; ".join(
             f"{g} on {gpu}" for g, gpu in zip(failed["goal"], failed["measured on"], strict=True)
         )
-    return "\n".join(
-        [
-            "Each goal judged on every measurement of its shape in this run, naming the GPU and commit it ran on: "
-            "`do_bench` medians, ours and the reference timed in the same process (cuDNN's goals causal, bf16; the "
-            "spec's grid causal, batch 1, one head).",
-            "",
-            md(table),
-            "",
-            f"Goals met: {verdict}.",
-        ]
+    how = (
+        "`do_bench` medians, ours and the reference timed in the same process (cuDNN's goals causal, bf16; the "
+        "spec's grid causal, batch 1, one head)"
     )
+    if short:
+        how += (
+            "; the short-sequence goal on the wall time per call of back-to-back calls at the grid's cells, ours and "
+            "SDPA in the same process (`flash_host`)"
+        )
+    parts = [
+        f"Each goal judged on every measurement of its shape in this run, naming the GPU and commit it ran on: {how}.",
+        "",
+        md(table),
+        "",
+        f"Goals met: {verdict}.",
+    ]
+    if short and (note := grid_short_note(ctx)):
+        parts += ["", note]
+    if not short:
+        parts += [
+            "",
+            f"The short-sequence goal (forward + backward up to {SHORT:,} tokens at head dim {SHORT_D_HEAD} within "
+            f"{SHORT_BOUND:g} × SDPA's time) is judged on back-to-back calls (`flash_host`), which timed no such "
+            "cell of ours and SDPA in this run.",
+        ]
+    if table_text := host_table(hosts):
+        parts += ["", table_text]
+    return "\n".join(parts)
 
 
 def checked(ctx: Context) -> str:
@@ -111,36 +132,122 @@ def cudnn_goals(ctx: Context) -> list[dict]:
     return rows
 
 
-def grid_goals(ctx: Context) -> list[dict]:
-    """Ours against SDPA over the spec's grid: at short sequences (the host's per-call cost) and overall."""
+def host_tables(ctx: Context) -> list[tuple[pd.DataFrame, dict]]:
+    """flash_host's tables that timed calls on a GPU (without CUDA its rows say skipped), each with its provenance."""
+    return [
+        (frame, meta)
+        for frame, meta in ctx.tables("flash_host")
+        if {"host_us", "wall_us"} <= set(frame) and (frame["status"] == "ok").any()
+    ]
+
+
+def host_cells(frame: pd.DataFrame) -> pd.DataFrame:
+    """The timed rows of a flash_host table at the spec grid's cells (causal, batch 1, one head) and head dim."""
+    cells = frame[
+        (frame["status"] == "ok")
+        & frame["causal"].astype(str).eq("True")
+        & (frame["batch_size"] == 1)
+        & (frame["heads"] == 1)
+        & (frame["d_head"] == SHORT_D_HEAD)
+        & frame["pass"].isin(PASS_NAMES)
+    ]
+    return cells.astype({"seq_len": int})  # read back as floats beside the empty kernels' rows
+
+
+def host_goals(hosts: list[tuple[pd.DataFrame, dict]]) -> list[dict]:
+    """Per table and dtype, the worst forward + backward up to SHORT tokens: ours' wall time per call of back-to-back
+    calls ÷ SDPA's, against SHORT_BOUND."""
+    rows = []
+    for frame, meta in hosts:
+        cells = host_cells(frame)
+        cells = cells[(cells["seq_len"] <= SHORT) & (cells["pass"] == "forward_backward")]
+        wide = cells.pivot_table(index=["dtype", "seq_len"], columns="impl", values=["host_us", "wall_us"])
+        if not {("wall_us", "triton"), ("wall_us", "sdpa")} <= set(wide.columns):
+            continue
+        ratio = (wide["wall_us", "triton"] / wide["wall_us", "sdpa"]).dropna()
+        for dtype, by_seq in ratio.groupby(level="dtype"):
+            cell = by_seq.idxmax()
+            worst, seqs = by_seq[cell], by_seq.index.get_level_values("seq_len")
+            at = wide.loc[cell]
+            rows.append(
+                judged(
+                    f"back-to-back calls, {dtype}, d {SHORT_D_HEAD}, {seqs.min():,}–{seqs.max():,} tokens, "
+                    f"forward + backward: ours ≤ {SHORT_BOUND:g} × SDPA in every cell",
+                    meta,
+                    f"worst {worst:.2f} × ({cell[1]:,} tokens: {at['wall_us', 'triton']:.1f} against "
+                    f"{at['wall_us', 'sdpa']:.1f} µs per call; on the host {at['host_us', 'triton']:.1f} against "
+                    f"{at['host_us', 'sdpa']:.1f} µs)",
+                    f"≤ {SHORT_BOUND:g}",
+                    worst <= SHORT_BOUND,
+                )
+            )
+    return rows
+
+
+def host_table(hosts: list[tuple[pd.DataFrame, dict]]) -> str:
+    """flash_host's timed cells in one table: ours' and SDPA's host and wall time per call, and the ratio of the wall
+    times (a column naming the GPU where the tables come from more than one)."""
+    tables, gpus, runs = [], {}, {}
+    for frame, meta in hosts:
+        cells = host_cells(frame)
+        wide = cells.pivot_table(
+            index=["dtype", "seq_len", "pass"], columns="impl", values=["host_us", "wall_us"]
+        )
+        if not {("wall_us", "triton"), ("wall_us", "sdpa")} <= set(wide.columns):
+            continue
+        ratio = wide["wall_us", "triton"] / wide["wall_us", "sdpa"]
+        tables.append(
+            pd.DataFrame(
+                {
+                    "measured on": gpu(meta),
+                    "dtype": wide.index.get_level_values("dtype").tolist(),
+                    "tokens": [f"{n:,}" for n in wide.index.get_level_values("seq_len")],
+                    "pass": [PASS_NAMES[p] for p in wide.index.get_level_values("pass")],
+                    "ours host µs": wide["host_us", "triton"].map(or_dash("{:.1f}")).tolist(),
+                    "ours wall µs": wide["wall_us", "triton"].map(or_dash("{:.1f}")).tolist(),
+                    "SDPA host µs": wide["host_us", "sdpa"].map(or_dash("{:.1f}")).tolist(),
+                    "SDPA wall µs": wide["wall_us", "sdpa"].map(or_dash("{:.1f}")).tolist(),
+                    "ours ÷ SDPA (wall)": ratio.map(or_dash("{:.2f}")).tolist(),
+                }
+            )
+        )
+        gpus[gpu(meta)] = None
+        for calls, repeats in cells[["calls", "repeats"]].drop_duplicates().itertuples(index=False):
+            runs[f"{int(repeats):,} runs of {int(calls):,} calls"] = None
+    if not tables:
+        return ""
+    table = pd.concat(tables, ignore_index=True)
+    if len(gpus) == 1:
+        table = table.drop(columns="measured on")
+    return (
+        f"Back-to-back calls (`flash_host`; causal, batch 1, one head, d {SHORT_D_HEAD}) on {'; '.join(gpus)}, per "
+        f"call, medians over {' or '.join(runs)}: host µs is the CPU's time to issue a call, wall µs the time until "
+        f"the GPU finished them all.\n\n{text_md(table)}"
+    )
+
+
+def grid_ratios(ctx: Context) -> tuple[pd.DataFrame, pd.DataFrame, list[dict]] | None:
+    """The grid's do_bench medians by (dtype, d_head, seq_len, pass) and impl, ours ÷ SDPA per cell and pass, and
+    the grid's provenances; None where the grid did not time ours and SDPA."""
     found = ctx.table("flash")
     if found is None or interpreted(found[0]):
-        return []
+        return None
     frame, metas = found
     ok = frame[frame["status"] == "ok"]
     wide = ok.pivot_table(index=["dtype", "d_head", "seq_len", "pass"], columns="impl", values="ms")
     if not {"triton", "sdpa"} <= set(wide.columns):
-        return []
+        return None
     ratio = wide.assign(ratio=wide["triton"] / wide["sdpa"]).dropna(subset=["ratio"]).reset_index()
-    short = ratio[
-        (ratio["d_head"] == 64) & (ratio["seq_len"] <= SHORT) & (ratio["pass"] == "forward_backward")
-    ]
-    rows = []
-    for dtype, cells in short.groupby("dtype"):
-        worst = cells.loc[cells["ratio"].idxmax()]
-        rows.append(
-            judged(
-                f"spec grid, {dtype}, d 64, {cells['seq_len'].min():,}–{cells['seq_len'].max():,} tokens, "
-                f"forward + backward: ours ≤ {SHORT_BOUND:g} × SDPA in every cell",
-                where(metas, dtype, 64),
-                f"worst {worst['ratio']:.2f} × ({worst['seq_len']:,} tokens: {worst['triton']:.3f} against "
-                f"{worst['sdpa']:.3f} ms{apart(wide, worst)})",
-                f"≤ {SHORT_BOUND:g}",
-                worst["ratio"] <= SHORT_BOUND,
-            )
-        )
+    return wide, ratio, metas
+
+
+def grid_goals(ctx: Context) -> list[dict]:
+    """Ours against SDPA over the spec's grid: the median of ours ÷ SDPA over every cell and pass."""
+    if (found := grid_ratios(ctx)) is None:
+        return []
+    _, ratio, metas = found
     median = ratio["ratio"].median()
-    rows.append(
+    return [
         judged(
             f"spec grid, all {len(ratio)} cells and passes: median of ours ÷ SDPA ≤ 1",
             where(metas),
@@ -148,8 +255,36 @@ def grid_goals(ctx: Context) -> list[dict]:
             "≤ 1",
             median <= 1,
         )
+    ]
+
+
+def grid_short_note(ctx: Context) -> str:
+    """The grid's worst short forward + backward per dtype under do_bench, and why the goal is not judged there."""
+    if (found := grid_ratios(ctx)) is None:
+        return ""
+    wide, ratio, metas = found
+    short = ratio[
+        (ratio["d_head"] == SHORT_D_HEAD)
+        & (ratio["seq_len"] <= SHORT)
+        & (ratio["pass"] == "forward_backward")
+    ]
+    worst = []
+    for dtype, cells in short.groupby("dtype"):
+        cell = cells.loc[cells["ratio"].idxmax()]
+        worst.append(
+            f"{cell['ratio']:.2f} × SDPA's in {dtype} ({cell['seq_len']:,} tokens on "
+            f"{where(metas, dtype, SHORT_D_HEAD)}: {cell['triton']:.3f} against {cell['sdpa']:.3f} ms"
+            f"{apart(wide, cell)})"
+        )
+    if not worst:
+        return ""
+    return (
+        f"On the spec grid, `do_bench` put ours' worst forward + backward at d {SHORT_D_HEAD} and "
+        f"{short['seq_len'].min():,}–{short['seq_len'].max():,} tokens at {'; '.join(worst)}. "
+        "Those cells time the host's per-call path less the L2 flush `do_bench` runs before every call (measured in "
+        "the Hopper tier's FINDINGS.md), so the short-sequence goal is judged on back-to-back calls (`flash_host`) "
+        "instead."
     )
-    return rows
 
 
 def apart(wide: pd.DataFrame, cell: pd.Series) -> str:
