@@ -42,6 +42,13 @@ def test_supports_is_false_off_hopper():
         assert not hopper.supports(device, torch.bfloat16, 96, True)
 
 
+def test_forward_configs_the_kernel_cannot_run_are_refused_by_name():
+    with pytest.raises(ValueError, match="BM 64 or 128, got 192"):
+        hopper_tier._fwd_config(192, 64, 2, pingpong=True)
+    # one consumer warpgroup: no turns to take
+    assert hopper_tier._fwd_config(64, 128, 2, pingpong=True).pingpong is False
+
+
 # Compiled in a fresh process without TRITON_INTERPRET: a process that imported triton in interpreter mode (another
 # test module's choice) turns the language's own @jit helpers (gl.max's) into interpreted functions Gluon cannot
 # compile, so in a shared pytest worker the result would depend on which tests ran there first.
@@ -156,6 +163,18 @@ def test_matches_float64_reference(n, causal, d, dtype):
 def test_long_sequence_matches_float64_reference(causal, d):
     # Past 4,096 tokens the forward at d = 64 switches to two consumer warpgroups per program.
     run_against_reference(1, 4501, 4501, d, causal, torch.bfloat16, seed=4501 + d)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_many_work_items_per_program_match_float64_reference(causal, d):
+    # The forward is persistent (one or two programs per SM taking work items until none is left): with more batch
+    # elements than SMs each program runs several items, so its ring, barrier phases, Q and O buffers run on from
+    # item to item.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    run_against_reference(3 * sms, 300, 300, d, causal, torch.bfloat16, seed=300 + d + causal)
 
 
 @pytest.mark.gpu

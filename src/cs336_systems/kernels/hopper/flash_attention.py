@@ -47,8 +47,9 @@ Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
 - Descriptors are 3-D (batch, seq, d) with (1, tile, d) blocks: a tile never reads the next batch element's rows
   (TMA zero-fills rows past seq) and TMA stores clip them.
 
-Not (yet) of FA3: FP8, a persistent backward, a separate dQ-writer warp (the consumers issue the TMA reduction
-themselves), separate consumer partitions in the backward (its two warpgroups share dS for dQ).
+Not (yet) of FA3: FP8, a persistent backward (tried: no gain, FINDINGS.md), a separate dQ-writer warp (the
+consumers issue the TMA reduction themselves), separate consumer partitions in the backward (its two warpgroups
+share dS for dQ).
 """
 
 from __future__ import annotations
