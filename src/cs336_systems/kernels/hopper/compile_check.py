@@ -8,8 +8,8 @@ the registers the partitions ask for with `setmaxnreg`, the highest register the
 and spill instructions (LDL/STL), those inside the innermost loops that issue wgmma (the main loops, where a
 spill costs every key tile), shared memory, and whether the tensor-core instructions are HGMMA (wgmma), not HMMA.
 A kernel passes with no spill in a main loop and at most SPILL_BOUND spill instructions elsewhere (the persistent
-forward keeps a few values per work item in local memory around its main loop). The configs are the launchers' own (`forward_config`,
-`backward_config`), so what is checked here is what runs.
+forward keeps a few values per work item in local memory around its main loop). The configs are the launchers' own
+(`forward_config`, `backward_config`), so what is checked here is what runs.
 """
 
 from __future__ import annotations

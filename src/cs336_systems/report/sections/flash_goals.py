@@ -31,7 +31,8 @@ SHAPE = ["batch_size", "heads", "seq_len", "d_head", "pass"]
 def render(ctx: Context) -> str:
     hosts = host_tables(ctx)
     short = host_goals(hosts)
-    rows = cudnn_goals(ctx) + short + grid_goals(ctx)
+    grid = grid_ratios(ctx)
+    rows = cudnn_goals(ctx) + short + grid_goals(grid)
     if not rows:
         return (
             "_Not judged in this run: the goals compare timings, and no table here timed ours on a GPU._"
@@ -60,7 +61,7 @@ def render(ctx: Context) -> str:
         "",
         f"Goals met: {verdict}.",
     ]
-    if short and (note := grid_short_note(ctx)):
+    if short and (note := grid_short_note(grid)):
         parts += ["", note]
     if not short:
         parts += [
@@ -154,16 +155,26 @@ def host_cells(frame: pd.DataFrame) -> pd.DataFrame:
     return cells.astype({"seq_len": int})  # read back as floats beside the empty kernels' rows
 
 
+def host_wide(frame: pd.DataFrame) -> pd.DataFrame | None:
+    """A flash_host table's cells by (dtype, seq_len, pass), host_us and wall_us per impl; None without both ours'
+    and SDPA's wall times."""
+    wide = host_cells(frame).pivot_table(
+        index=["dtype", "seq_len", "pass"], columns="impl", values=["host_us", "wall_us"]
+    )
+    return wide if {("wall_us", "triton"), ("wall_us", "sdpa")} <= set(wide.columns) else None
+
+
 def host_goals(hosts: list[tuple[pd.DataFrame, dict]]) -> list[dict]:
     """Per table and dtype, the worst forward + backward up to SHORT tokens: ours' wall time per call of back-to-back
     calls ÷ SDPA's, against SHORT_BOUND."""
     rows = []
     for frame, meta in hosts:
-        cells = host_cells(frame)
-        cells = cells[(cells["seq_len"] <= SHORT) & (cells["pass"] == "forward_backward")]
-        wide = cells.pivot_table(index=["dtype", "seq_len"], columns="impl", values=["host_us", "wall_us"])
-        if not {("wall_us", "triton"), ("wall_us", "sdpa")} <= set(wide.columns):
+        if (wide := host_wide(frame)) is None or "forward_backward" not in wide.index.get_level_values(
+            "pass"
+        ):
             continue
+        wide = wide.xs("forward_backward", level="pass")
+        wide = wide[wide.index.get_level_values("seq_len") <= SHORT]
         ratio = (wide["wall_us", "triton"] / wide["wall_us", "sdpa"]).dropna()
         for dtype, by_seq in ratio.groupby(level="dtype"):
             cell = by_seq.idxmax()
@@ -189,11 +200,7 @@ def host_table(hosts: list[tuple[pd.DataFrame, dict]]) -> str:
     times (a column naming the GPU where the tables come from more than one)."""
     tables, gpus, runs = [], {}, {}
     for frame, meta in hosts:
-        cells = host_cells(frame)
-        wide = cells.pivot_table(
-            index=["dtype", "seq_len", "pass"], columns="impl", values=["host_us", "wall_us"]
-        )
-        if not {("wall_us", "triton"), ("wall_us", "sdpa")} <= set(wide.columns):
+        if (wide := host_wide(frame)) is None:
             continue
         ratio = wide["wall_us", "triton"] / wide["wall_us", "sdpa"]
         tables.append(
@@ -212,7 +219,9 @@ def host_table(hosts: list[tuple[pd.DataFrame, dict]]) -> str:
             )
         )
         gpus[gpu(meta)] = None
-        for calls, repeats in cells[["calls", "repeats"]].drop_duplicates().itertuples(index=False):
+        for calls, repeats in (
+            host_cells(frame)[["calls", "repeats"]].drop_duplicates().itertuples(index=False)
+        ):
             runs[f"{int(repeats):,} runs of {int(calls):,} calls"] = None
     if not tables:
         return ""
@@ -241,11 +250,11 @@ def grid_ratios(ctx: Context) -> tuple[pd.DataFrame, pd.DataFrame, list[dict]] |
     return wide, ratio, metas
 
 
-def grid_goals(ctx: Context) -> list[dict]:
-    """Ours against SDPA over the spec's grid: the median of ours ÷ SDPA over every cell and pass."""
-    if (found := grid_ratios(ctx)) is None:
+def grid_goals(grid: tuple[pd.DataFrame, pd.DataFrame, list[dict]] | None) -> list[dict]:
+    """Ours against SDPA over the spec's grid (`grid_ratios`): the median of ours ÷ SDPA over every cell and pass."""
+    if grid is None:
         return []
-    _, ratio, metas = found
+    _, ratio, metas = grid
     median = ratio["ratio"].median()
     return [
         judged(
@@ -258,11 +267,12 @@ def grid_goals(ctx: Context) -> list[dict]:
     ]
 
 
-def grid_short_note(ctx: Context) -> str:
-    """The grid's worst short forward + backward per dtype under do_bench, and why the goal is not judged there."""
-    if (found := grid_ratios(ctx)) is None:
+def grid_short_note(grid: tuple[pd.DataFrame, pd.DataFrame, list[dict]] | None) -> str:
+    """The grid's worst short forward + backward per dtype under do_bench (`grid_ratios`), and why the goal is not
+    judged there."""
+    if grid is None:
         return ""
-    wide, ratio, metas = found
+    wide, ratio, metas = grid
     short = ratio[
         (ratio["d_head"] == SHORT_D_HEAD)
         & (ratio["seq_len"] <= SHORT)
