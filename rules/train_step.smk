@@ -6,7 +6,8 @@ TRAIN_STEP_CSV = f"{RESULTS}/train_step/{{stack}}.csv"
 
 
 # The library code every train_step job runs; each job adds its own CLI.
-TRAIN_STEP_LIBRARY = ("training/stacks.py", "training/workload.py", "kernels/fused_cross_entropy.py", "kernels/fused_adamw.py", *FLASH_KERNEL_CODE,
+TRAIN_STEP_LIBRARY = ("training/stacks.py", "training/workload.py", "kernels/fused_cross_entropy.py", "kernels/fused_adamw.py",
+                      "kernels/rope.py", *FLASH_KERNEL_CODE,
                       "model/checkpointing.py", "model/transformer.py", "measure/profiling.py")
 TRAIN_STEP_CODE = code("experiments/train_step_benchmark.py", "bench/stack_timing.py", *TRAIN_STEP_LIBRARY)
 # The model every train_step job runs, sharded or not: its dimensions, and its LM head's tokens per chunk by head

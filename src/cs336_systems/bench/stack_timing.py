@@ -238,6 +238,7 @@ def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torc
         "kind": "cell",
         "stack": stack,
         "attention": s.attention,
+        "rope": s.rope,
         "head": s.head,
         "head_chunk": head_chunk_of(stack, args),
         "checkpoint": s.checkpoint,

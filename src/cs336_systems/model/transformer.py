@@ -32,6 +32,7 @@ class ModelConfig:
     d_ff: int = 3072
     rope_theta: float = 10_000.0
     attention: str = "naive"
+    rope: str = "torch"  # RoPE on q and k: "torch" (RotaryEmbedding) or "triton" (cs336_systems.kernels.rope)
     checkpoint: str = "none"  # activation checkpointing of the blocks: cs336_systems.model.checkpointing
 
     def __post_init__(self) -> None:
@@ -46,6 +47,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: d_head={self.d_model // self.num_heads} must be even for RoPE")
         if self.attention not in ATTENTION:
             raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {sorted(ATTENTION)}")
+        if self.rope not in ROPE:
+            raise ValueError(f"ModelConfig.rope={self.rope!r}; choose one of {list(ROPE)}")
         checkpointing.parse(self.checkpoint, self.num_layers)
 
     @classmethod
@@ -92,6 +95,9 @@ ATTENTION: dict[str, AttentionFn] = {
     "flash_triton": flash_triton_attention,
 }
 
+# How RoPE is applied: the module below, or one Triton kernel each way that also splits and joins the projection.
+ROPE = ("torch", "triton")
+
 
 class RMSNorm(nn.Module):
     def __init__(self, d_model: int, eps: float = 1e-5):
@@ -131,14 +137,21 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.rope = RotaryEmbedding(cfg.d_model // cfg.num_heads, cfg.context_length, cfg.rope_theta)
+        self.rope_kernel = cfg.rope == "triton"
         self.attend = ATTENTION[cfg.attention]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
         # (batch, seq, 3 d_model) -> three tensors of (batch, heads, seq, d_head)
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        positions = torch.arange(seq, device=x.device)
-        q, k = self.rope(q, positions), self.rope(k, positions)
+        qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, -1)
+        if self.rope_kernel:
+            from cs336_systems.kernels.rope import rope_qkv
+
+            q, k, v = rope_qkv(qkv, self.rope.cos[:seq], self.rope.sin[:seq])
+        else:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4)
+            positions = torch.arange(seq, device=x.device)
+            q, k = self.rope(q, positions), self.rope(k, positions)
         y = self.attend(q, k, v)
         return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
 

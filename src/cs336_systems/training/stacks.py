@@ -9,7 +9,8 @@ A stack says how the same model is run (`STACKS`):
   (`torch.utils.checkpoint`, matmul and attention outputs kept), each checkpointed block `torch.compile`d, the LM
   head and loss in chunks of tokens whose logits are recomputed in backward (`checkpoint` per chunk),
   torch.optim.AdamW(fused=True);
-- `ours`: the same with our FlashAttention (Triton), our fused LM head + cross-entropy (Triton,
+- `ours`: the same with our FlashAttention (Triton), our RoPE kernels (Triton, cs336_systems.kernels.rope: q and k
+  rotated, and the projection's gradient written, in one pass each), our fused LM head + cross-entropy (Triton,
   cs336_systems.kernels.fused_cross_entropy) and our AdamW kernel (Triton, cs336_systems.kernels.fused_adamw), and the `ours_*`
   variants that put one PyTorch piece back, so the writeup shows what each of ours is worth;
 - `ours_fp32_master`: ours with float32 master weights: weights, gradients and AdamW state in float32, the step's
@@ -79,6 +80,7 @@ class Stack:
     fp32_master: bool = (
         False  # float32 weights, gradients and AdamW state; compute under autocast to the run's dtype
     )
+    rope: str = "torch"  # ModelConfig.rope
 
 
 STACKS = {
@@ -93,9 +95,17 @@ STACKS = {
     "native": Stack(
         "PyTorch-native stack", "sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused"
     ),
-    "ours": Stack("ours", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours"),
+    "ours": Stack(
+        "ours", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours", rope="triton"
+    ),
     "ours_sdpa": Stack(
-        "ours with SDPA's attention", "sdpa", "fused", "selective", compile_blocks=True, optimizer="ours"
+        "ours with SDPA's attention",
+        "sdpa",
+        "fused",
+        "selective",
+        compile_blocks=True,
+        optimizer="ours",
+        rope="triton",
     ),
     "ours_chunked_head": Stack(
         "ours with PyTorch's chunked head",
@@ -104,6 +114,7 @@ STACKS = {
         "selective",
         compile_blocks=True,
         optimizer="ours",
+        rope="triton",
     ),
     "ours_torch_adamw": Stack(
         "ours with torch.optim.AdamW(fused=True)",
@@ -112,10 +123,25 @@ STACKS = {
         "selective",
         compile_blocks=True,
         optimizer="torch_fused",
+        rope="triton",
+    ),
+    "ours_torch_rope": Stack(
+        "ours with compiled PyTorch's RoPE",
+        "flash_triton",
+        "fused",
+        "selective",
+        compile_blocks=True,
+        optimizer="ours",
     ),
     # no recomputation at all: the bound checkpointing pays against, where the activations fit
     "ours_no_checkpoint": Stack(
-        "ours without checkpointing", "flash_triton", "fused", "none", compile_blocks=True, optimizer="ours"
+        "ours without checkpointing",
+        "flash_triton",
+        "fused",
+        "none",
+        compile_blocks=True,
+        optimizer="ours",
+        rope="triton",
     ),
     # what mixed precision's usual float32 master weights cost against the leaderboard's all-bf16 state
     "ours_fp32_master": Stack(
@@ -126,6 +152,7 @@ STACKS = {
         compile_blocks=True,
         optimizer="ours",
         fp32_master=True,
+        rope="triton",
     ),
     # sharded over the process group's ranks (the leaderboard's two GPUs)
     "plain_fsdp": Stack(
@@ -154,6 +181,7 @@ STACKS = {
         compile_blocks=True,
         optimizer="ours",
         sharding="ours",
+        rope="triton",
     ),
     "ours_fsdp_sdpa": Stack(
         "ours under our FSDP with SDPA's attention",
@@ -163,6 +191,7 @@ STACKS = {
         compile_blocks=True,
         optimizer="ours",
         sharding="ours",
+        rope="triton",
     ),
     # what our other pieces are worth at the leaderboard's scale: each replaced by PyTorch's, the rest of ours kept
     "ours_fsdp_chunked_head": Stack(
@@ -173,6 +202,7 @@ STACKS = {
         compile_blocks=True,
         optimizer="ours",
         sharding="ours",
+        rope="triton",
     ),
     "ours_fsdp_torch_adamw": Stack(
         "ours under our FSDP with torch.optim.AdamW(fused=True)",
@@ -181,6 +211,16 @@ STACKS = {
         "selective",
         compile_blocks=True,
         optimizer="torch_fused",
+        sharding="ours",
+        rope="triton",
+    ),
+    "ours_fsdp_torch_rope": Stack(
+        "ours under our FSDP with compiled PyTorch's RoPE",
+        "flash_triton",
+        "fused",
+        "selective",
+        compile_blocks=True,
+        optimizer="ours",
         sharding="ours",
     ),
 }
@@ -269,7 +309,12 @@ def new_lm(
     """The TransformerLM of `dims` built on `device` in `dtype` (float32 under `fp32_master`); its config checkpoints
     the blocks unless a compiled block does it itself (selective checkpointing)."""
     selective = stack.checkpoint in checkpointing.SELECTIVE and compile_blocks
-    cfg = ModelConfig(**dims, attention=stack.attention, checkpoint="none" if selective else stack.checkpoint)
+    cfg = ModelConfig(
+        **dims,
+        attention=stack.attention,
+        rope=stack.rope,
+        checkpoint="none" if selective else stack.checkpoint,
+    )
     with torch.device(device):
         return TransformerLM(cfg).to(dtype=torch.float32 if stack.fp32_master else dtype)
 

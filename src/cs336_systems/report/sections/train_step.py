@@ -26,12 +26,14 @@ OPTIMIZER = {
     "torch_fused": "torch.optim.AdamW(fused=True)",
     "ours": "our Triton AdamW",
 }
+ROPE = {"torch": "PyTorch (RotaryEmbedding)", "triton": "our Triton kernels"}
 # Our pieces, each against the stack that replaces it by PyTorch's (or drops it), the rest of ours the same: the
 # variant's name less "ours_" (one GPU: ours_<piece>; sharded: ours_fsdp_<piece>, against ours_fsdp).
 PIECES = (
     ("sdpa", "Our FlashAttention, against SDPA's"),
     ("chunked_head", "Our fused head + loss, against PyTorch's chunked one"),
     ("torch_adamw", "Our AdamW kernel, against torch.optim.AdamW(fused=True)"),
+    ("torch_rope", "Our RoPE kernels, against compiled PyTorch's"),
     ("no_checkpoint", "Selective checkpointing, against none"),
     ("fp32_master", "bf16 weights, gradients and AdamW state, against float32 master weights"),
 )
@@ -489,10 +491,13 @@ def stack_table(cells: pd.DataFrame, stacks: list[str], dtype: str) -> pd.DataFr
         first["optimizer"] if "optimizer" in first else pd.Series(None, index=first.index, dtype=object)
     )
     chunks = first["head_chunk"] if "head_chunk" in first else pd.Series(None, index=first.index, dtype=float)
+    # before the `rope` column every stack ran the model's RotaryEmbedding
+    rope = first["rope"].fillna("torch") if "rope" in first else pd.Series("torch", index=first.index)
     return pd.DataFrame(
         {
             "stack": [LABEL.get(s, s) for s in stacks],
             "attention": first["attention"].tolist(),
+            "RoPE": [ROPE.get(r, r) for r in rope],
             "LM head + loss": [head_text(h, c) for h, c in zip(first["head"], chunks, strict=True)],
             "checkpointing": first["checkpoint"].tolist(),
             "blocks compiled": ["yes" if str(c) == "True" else "no" for c in first["compiled"]],
