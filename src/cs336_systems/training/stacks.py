@@ -83,146 +83,57 @@ class Stack:
     rope: str = "torch"  # ModelConfig.rope
 
 
+# Ours, and ours with one piece put back to PyTorch's (or dropped): what each of ours is worth.
+_OURS = Stack(
+    "ours", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours", rope="triton"
+)
+_NATIVE = Stack(
+    "PyTorch-native stack", "sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused"
+)
+_PLAIN = Stack(
+    "plain TransformerLM (the spec's naive baseline)",
+    "naive",
+    "eager",
+    "none",
+    compile_blocks=False,
+    optimizer="torch",
+)
+_PIECES_PUT_BACK = {  # name suffix: (label suffix, the piece as PyTorch has it)
+    "sdpa": ("with SDPA's attention", {"attention": "sdpa"}),
+    "chunked_head": ("with PyTorch's chunked head", {"head": "chunked"}),
+    "torch_adamw": ("with torch.optim.AdamW(fused=True)", {"optimizer": "torch_fused"}),
+    "torch_rope": ("with compiled PyTorch's RoPE", {"rope": "torch"}),
+}
+_OURS_FSDP = replace(
+    _OURS, label="ours under our FSDP (compiled blocks, head and embedding as units)", sharding="ours"
+)
 STACKS = {
-    "plain": Stack(
-        "plain TransformerLM (the spec's naive baseline)",
-        "naive",
-        "eager",
-        "none",
-        compile_blocks=False,
-        optimizer="torch",
-    ),
-    "native": Stack(
-        "PyTorch-native stack", "sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused"
-    ),
-    "ours": Stack(
-        "ours", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours", rope="triton"
-    ),
-    "ours_sdpa": Stack(
-        "ours with SDPA's attention",
-        "sdpa",
-        "fused",
-        "selective",
-        compile_blocks=True,
-        optimizer="ours",
-        rope="triton",
-    ),
-    "ours_chunked_head": Stack(
-        "ours with PyTorch's chunked head",
-        "flash_triton",
-        "chunked",
-        "selective",
-        compile_blocks=True,
-        optimizer="ours",
-        rope="triton",
-    ),
-    "ours_torch_adamw": Stack(
-        "ours with torch.optim.AdamW(fused=True)",
-        "flash_triton",
-        "fused",
-        "selective",
-        compile_blocks=True,
-        optimizer="torch_fused",
-        rope="triton",
-    ),
-    "ours_torch_rope": Stack(
-        "ours with compiled PyTorch's RoPE",
-        "flash_triton",
-        "fused",
-        "selective",
-        compile_blocks=True,
-        optimizer="ours",
-    ),
+    "plain": _PLAIN,
+    "native": _NATIVE,
+    "ours": _OURS,
+    **{
+        f"ours_{name}": replace(_OURS, label=f"ours {label}", **piece)
+        for name, (label, piece) in _PIECES_PUT_BACK.items()
+    },
     # no recomputation at all: the bound checkpointing pays against, where the activations fit
-    "ours_no_checkpoint": Stack(
-        "ours without checkpointing",
-        "flash_triton",
-        "fused",
-        "none",
-        compile_blocks=True,
-        optimizer="ours",
-        rope="triton",
-    ),
+    "ours_no_checkpoint": replace(_OURS, label="ours without checkpointing", checkpoint="none"),
     # what mixed precision's usual float32 master weights cost against the leaderboard's all-bf16 state
-    "ours_fp32_master": Stack(
-        "ours with float32 master weights",
-        "flash_triton",
-        "fused",
-        "selective",
-        compile_blocks=True,
-        optimizer="ours",
-        fp32_master=True,
-        rope="triton",
-    ),
+    "ours_fp32_master": replace(_OURS, label="ours with float32 master weights", fp32_master=True),
     # sharded over the process group's ranks (the leaderboard's two GPUs)
-    "plain_fsdp": Stack(
-        "plain TransformerLM under our FSDP (the spec's naive baseline)",
-        "naive",
-        "eager",
-        "none",
-        compile_blocks=False,
-        optimizer="torch",
-        sharding="ours",
+    "plain_fsdp": replace(
+        _PLAIN, label="plain TransformerLM under our FSDP (the spec's naive baseline)", sharding="ours"
     ),
-    "native_fsdp": Stack(
-        "PyTorch-native stack under FSDP2 (`fully_shard` per block, head and root)",
-        "sdpa",
-        "chunked",
-        "selective",
-        compile_blocks=True,
-        optimizer="torch_fused",
+    "native_fsdp": replace(
+        _NATIVE,
+        label="PyTorch-native stack under FSDP2 (`fully_shard` per block, head and root)",
         sharding="fsdp2",
     ),
-    "ours_fsdp": Stack(
-        "ours under our FSDP (compiled blocks, head and embedding as units)",
-        "flash_triton",
-        "fused",
-        "selective",
-        compile_blocks=True,
-        optimizer="ours",
-        sharding="ours",
-        rope="triton",
-    ),
-    "ours_fsdp_sdpa": Stack(
-        "ours under our FSDP with SDPA's attention",
-        "sdpa",
-        "fused",
-        "selective",
-        compile_blocks=True,
-        optimizer="ours",
-        sharding="ours",
-        rope="triton",
-    ),
-    # what our other pieces are worth at the leaderboard's scale: each replaced by PyTorch's, the rest of ours kept
-    "ours_fsdp_chunked_head": Stack(
-        "ours under our FSDP with PyTorch's chunked head",
-        "flash_triton",
-        "chunked",
-        "selective",
-        compile_blocks=True,
-        optimizer="ours",
-        sharding="ours",
-        rope="triton",
-    ),
-    "ours_fsdp_torch_adamw": Stack(
-        "ours under our FSDP with torch.optim.AdamW(fused=True)",
-        "flash_triton",
-        "fused",
-        "selective",
-        compile_blocks=True,
-        optimizer="torch_fused",
-        sharding="ours",
-        rope="triton",
-    ),
-    "ours_fsdp_torch_rope": Stack(
-        "ours under our FSDP with compiled PyTorch's RoPE",
-        "flash_triton",
-        "fused",
-        "selective",
-        compile_blocks=True,
-        optimizer="ours",
-        sharding="ours",
-    ),
+    "ours_fsdp": _OURS_FSDP,
+    # what our pieces are worth at the leaderboard's scale: each put back to PyTorch's, the rest of ours kept
+    **{
+        f"ours_fsdp_{name}": replace(_OURS_FSDP, label=f"ours under our FSDP {label}", **piece)
+        for name, (label, piece) in _PIECES_PUT_BACK.items()
+    },
 }
 SHARDINGS = ("none", "ours", "fsdp2")
 
