@@ -771,3 +771,16 @@ def test_no_kernel_costs_from_one_depth(tmp_path):
         train_step.kernels_text(Context(run="t", results=tmp_path / "results", out_dir=tmp_path / "report"))
         == ""
     )
+
+
+def test_stack_table_names_the_rope_that_ran():
+    """Rows record the RoPE that ran; a table written before that column ran the model's RotaryEmbedding."""
+    base = {"attention": "flash_triton", "head": "fused", "head_chunk": 8192.0, "checkpoint": "selective",
+            "compiled": True, "optimizer": "ours", "weights": "bfloat16"}  # fmt: skip
+    cells = pd.DataFrame(
+        [{**base, "stack": "ours", "rope": "triton"}, {**base, "stack": "ours_torch_rope", "rope": "torch"}]
+    )
+    table = train_step.stack_table(cells, ["ours", "ours_torch_rope"], "bfloat16")
+    assert table["RoPE"].tolist() == ["our Triton kernels", "PyTorch (RotaryEmbedding)"]
+    older = train_step.stack_table(cells.drop(columns="rope"), ["ours"], "bfloat16")
+    assert older["RoPE"].tolist() == ["PyTorch (RotaryEmbedding)"]
