@@ -27,6 +27,8 @@ from torch import Tensor
 from cs336_systems.kernels import triton_interpreter
 
 _ROWS = 16  # sequence positions per program
+if triton_interpreter.enabled():  # decided when triton was imported, as the kernel below was
+    triton_interpreter.patch()
 
 
 @triton.jit
@@ -159,6 +161,4 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Ten
         raise ValueError(
             f"the RoPE kernel needs CUDA tensors (or TRITON_INTERPRET=1), but qkv is on {qkv.device}"
         )
-    if triton_interpreter.enabled():
-        triton_interpreter.patch()
     return _RotaryQKV.apply(qkv, cos.contiguous(), sin.contiguous())
