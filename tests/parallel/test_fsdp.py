@@ -1,7 +1,8 @@
 """Our FSDP (cs336_systems.parallel.fsdp) on CPU/gloo through the real launcher: every case of tests/workers/fsdp_worker.py
 asserts on every rank against single-process training, under deterministic algorithms with warnings as errors; one
 launch per world size runs all the cases asked of it, and each test reads its own cases' results.
-The protocol cases run again with each rank's tensors on a GPU where one is present (still gloo)."""
+The protocol cases run again with each rank's tensors on a GPU where one is present (still gloo), and over NCCL
+where there are two."""
 
 from __future__ import annotations
 
@@ -13,14 +14,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from cs336_systems.parallel.fsdp import reduce_op_for
 
 WORKER = Path(__file__).parents[1].joinpath("workers", "fsdp_worker.py")
 
 
-def launch(nproc: int, *cases: str, device: str = "cpu", timeout: float = 300) -> subprocess.CompletedProcess:
+def launch(
+    nproc: int, *cases: str, device: str = "cpu", backend: str = "gloo", timeout: float = 300
+) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    env = {**os.environ, "FSDP_WORKER_DEVICE": device}
+    env = {**os.environ, "FSDP_WORKER_DEVICE": device, "FSDP_WORKER_BACKEND": backend}
     return subprocess.run(
         [*command, str(WORKER), *cases], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
@@ -134,6 +140,22 @@ def test_the_protocol_with_cuda_tensors(world_size: int):
     result = launch(world_size, "protocol", "protocol_low_precision", "torch_nn_bf16", device="cuda")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"OK on {world_size} ranks" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_the_protocol_over_nccl():
+    """The same cases over NCCL, a GPU per rank, where the reduce-scatter averages (ReduceOp.AVG) instead of
+    summing for the shards to be divided after, as on gloo."""
+    result = launch(2, "protocol", "protocol_low_precision", "torch_nn_bf16", device="cuda", backend="nccl")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK on 2 ranks" in result.stdout
+
+
+def test_the_reduce_scatter_averages_only_where_the_backend_can_and_the_average_is_asked():
+    assert reduce_op_for("nccl", 2.0, 2) == dist.ReduceOp.AVG
+    assert reduce_op_for("gloo", 2.0, 2) == dist.ReduceOp.SUM  # gloo has no AVG: divided after
+    assert reduce_op_for("nccl", 1.0, 2) == dist.ReduceOp.SUM  # gradient_divide_factor=1: a sum is asked
 
 
 def logits_gradient(

@@ -5,7 +5,7 @@
 As the assignment's own FSDP tests do: deterministic algorithms, every warning an error, a toy model whose Linear
 and Embedding are not torch.nn classes (weight (d_out, d_in) used as x @ W.T, and (vocab, d) indexed by ids).
 With FSDP_WORKER_DEVICE=cuda the protocol cases put each rank's model and data on a GPU (still gloo, as the
-assignment's test does where a GPU is present).
+assignment's test does where a GPU is present, unless FSDP_WORKER_BACKEND=nccl: one GPU per rank).
 """
 
 from __future__ import annotations
@@ -776,7 +776,7 @@ def main() -> None:
         torch.cuda.set_device(DEVICE)
     warnings.simplefilter("error")
     torch.use_deterministic_algorithms(True)
-    with distributed(backend="gloo", timeout_s=600):
+    with distributed(backend=os.environ.get("FSDP_WORKER_BACKEND", "gloo"), timeout_s=600):
         for case in sys.argv[1:]:
             CASES[case]()
             # every rank through the case before it is reported: a test reads its own cases' lines

@@ -108,6 +108,12 @@ BYTES_KEYS = (
 )
 
 
+def reduce_op_for(backend: str, divide_factor: float, world: int) -> dist.ReduceOp:
+    """The reduce-scatter's op: AVG where the backend averages (NCCL) and the average is what is asked
+    (divide_factor == world), else SUM, the shards then divided by divide_factor."""
+    return dist.ReduceOp.AVG if backend == "nccl" and divide_factor == world else dist.ReduceOp.SUM
+
+
 def is_sharded_layer(module: nn.Module) -> bool:
     """A Linear or Embedding layer of torch or of another package (see the module docstring)."""
     weight = module._parameters.get("weight")
@@ -305,6 +311,9 @@ class FullyShardedDataParallel(nn.Module):
         self.compute_dtype, self.exact = compute_dtype, exact
         # gradients are summed over ranks, then divided by this (the world size: their average)
         self.divide_factor = float(gradient_divide_factor or self.world)
+        # NCCL averages inside the reduce-scatter (x / world before the sum: exact at a power-of-two world size),
+        # which saves a pass over every gradient shard after it; gloo has no AVG, so there the shards are divided
+        self._reduce_op = reduce_op_for(dist.get_backend(), self.divide_factor, self.world)
         if not on_meta:
             _broadcast_from_rank0(module)
 
@@ -698,7 +707,7 @@ class FullyShardedDataParallel(nn.Module):
             self._bytes["bytes_reduce_scattered"] += (
                 (self.world - 1) * weight.shard_numel * grad.element_size()
             )
-        work = reduce_scatter_coalesced(outputs, inputs, dist.ReduceOp.SUM)
+        work = reduce_scatter_coalesced(outputs, inputs, self._reduce_op)
         self._reductions.append(
             (work, [(out, weight.shard) for out, (weight, _) in zip(outputs, grads, strict=True)])
         )
@@ -741,7 +750,7 @@ class FullyShardedDataParallel(nn.Module):
             if work is not None:
                 work.wait()
             for reduced, param in reduced_shards:
-                if self.divide_factor != 1:
+                if self.divide_factor != 1 and (work is None or self._reduce_op != dist.ReduceOp.AVG):
                     reduced.div_(self.divide_factor)
                 param.grad = reduced if param.grad is None else param.grad + reduced
         self._reductions.clear()
