@@ -2,6 +2,7 @@
 interpreter (set before anything imports triton; see tests/kernels/test_flash_attention.py for the fresh-process rerun)."""
 
 import os
+import weakref
 
 from ..fresh_process import assert_passes_in_fresh_process, triton_imported_compiled
 
@@ -12,6 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from cs336_systems.kernels.fused_cross_entropy import cross_entropy_rows_, fused_linear_cross_entropy  # noqa: E402
 
@@ -80,6 +82,34 @@ def test_the_row_kernel_writes_the_logits_gradient_in_place():
     loss = cross_entropy_rows_(logits, targets, scale=0.5)
     assert torch.allclose(loss.double(), expected_loss, atol=1e-5)
     assert torch.allclose(logits.double(), expected_grad, atol=1e-6)
+
+
+class LiveLogits(TorchDispatchMode):
+    """Counts the chunks' logits (the outputs of mm of `shape`) alive at once, and the most ever."""
+
+    def __init__(self, shape: tuple[int, int]):
+        super().__init__()
+        self.shape, self.live, self.most = shape, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mm.default and tuple(out.shape) == self.shape:
+            self.live += 1
+            self.most = max(self.most, self.live)
+            weakref.finalize(out, self._freed)
+        return out
+
+    def _freed(self) -> None:
+        self.live -= 1
+
+
+@launches_kernels
+def test_one_chunks_logits_at_a_time():
+    """The head's extra memory is one chunk's logits (2.3 GiB at the leaderboard's 8,192 tokens), not two."""
+    h, weight, targets = inputs(3 * 5, 8, 11, torch.float32, seed=2)
+    with LiveLogits((5, 11)) as logits:
+        fused_linear_cross_entropy(h, weight, targets, chunk=5).backward()
+    assert logits.most == 1
 
 
 def test_bad_inputs_name_what_is_wrong():

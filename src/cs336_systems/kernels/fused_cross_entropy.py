@@ -118,6 +118,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(logits, weight, out=grad_h[rows])
             if grad_weight is not None:
                 _add_product(grad_weight, logits.T, h[rows])
+            del logits  # else it lives on while the next chunk's logits are made: two chunks' at the peak
         ctx.save_for_backward(grad_h, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss.sum() * scale
