@@ -86,6 +86,12 @@ def test_operators_pass_opcheck():
     # A forced kernel tier is an argument of both operators (the one tier that runs here: portable).
     torch.library.opcheck(flash_attention_forward, (q, k, v, True, "portable"))
     torch.library.opcheck(flash_attention_backward, (q.detach(), k.detach(), v, o, do, lse, True, "portable"))
+    # A heads-last V (contiguous Q, K): O in V's order, the fake implementation's strides the real ones'
+    for batch in (1, 2):
+        q, k, v, _ = inputs(batch, 3, 20, 20, 16, torch.float32)
+        v = v.transpose(1, 2).contiguous().transpose(1, 2)
+        torch.library.opcheck(flash_attention_forward, (q, k, v, True))
+        assert flash_attention_forward(q, k, v, True)[0].stride() == v.stride()
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 2, 77, 5, 32), (1, 1, 1, 1, 1, 16), (2, 129, 1000, 128)], ids=str)

@@ -205,6 +205,26 @@ def run_against_reference(batch, n_q, n_k, d, causal, dtype, seed):
 
 @pytest.mark.gpu
 @needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_writes_a_strided_out_in_place(d):
+    # O into a (heads, seq, d) view of (seq, heads, d), as the model's output projection reads it: the TMA stores
+    # write each row where it lies (the result is `out` itself, its neighbours' rows untouched), and what TMA
+    # cannot span (a row off 16 bytes) is written through a copy.
+    heads, seq = 3, 1000
+    q, k, v, _ = _inputs(heads, seq, seq, d, torch.bfloat16, seed=d)
+    expected = hopper.forward(q, k, v, True)[0]
+    storage = torch.full((seq, heads + 1, d), 7.0, dtype=torch.bfloat16, device="cuda")
+    out = storage[:, 1:].transpose(0, 1)
+    o, _ = hopper.forward(q, k, v, True, out)
+    assert o is out and torch.equal(o, expected)
+    assert torch.all(storage[:, 0] == 7.0)
+    unaligned = torch.empty(heads, seq, d + 1, dtype=torch.bfloat16, device="cuda")[..., 1:]
+    o, _ = hopper.forward(q, k, v, True, unaligned)
+    assert o is unaligned and torch.equal(o, expected)
+
+
+@pytest.mark.gpu
+@needs_hopper
 @pytest.mark.parametrize("shape", [(4, 1537, 64), (2, 2048, 128), (8, 1000, 128)], ids=str)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_agrees_with_the_portable_tier(shape, causal):
@@ -244,6 +264,7 @@ def test_model_layout_matches_float64_reference(batch, causal):
     expected = _float64_grads(*strided, do, causal)
     for inputs in (contiguous, strided):
         o = flash_attention(*inputs, is_causal=causal, tier="hopper")
+        assert o.stride() == torch.empty_like(inputs[2]).stride()  # O in V's order: heads-last when V is
         o.backward(do)
         actual = (o, *(t.grad for t in inputs))
         errors = {

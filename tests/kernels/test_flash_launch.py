@@ -250,9 +250,9 @@ class FakeHopper(types.ModuleType):
         self.calls.append(f"supports {device.type} {dtype} {head_dim} {is_causal}")
         return self.supported
 
-    def forward(self, q, k, v, is_causal):
+    def forward(self, q, k, v, is_causal, out=None):
         self.calls.append("forward")
-        return flash_triton.flash_forward(q, k, v, is_causal)
+        return flash_triton.flash_forward(q, k, v, is_causal, out)
 
     def backward(self, q, k, v, o, do, lse, is_causal):
         self.calls.append("backward")

@@ -98,6 +98,31 @@ def test_model_with_the_kernel_trains_as_with_the_module(compiled):
         torch.testing.assert_close(ours, module, atol=1e-6, rtol=1e-5)
 
 
+@launches_kernels
+@pytest.mark.parametrize("rope", ["torch", "triton"])
+def test_the_output_projection_reads_our_attention_without_a_copy(rope):
+    """V a heads-last slice of the projection (either RoPE), O in V's order from our attention: the output
+    projection's (batch, seq, d_model) input is a view of O, with no copy between them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for batch in (1, 2):
+        cfg = ModelConfig(context_length=11, d_model=32, num_heads=2, attention="flash_triton", rope=rope)
+        attention = TransformerLM(cfg).blocks[0].attn
+        with Ops() as ops:
+            attention(torch.randn(batch, 11, 32))
+        assert "cs336.flash_attention_forward.default" in ops.names
+        assert not [name for name in ops.names if "clone" in name or "copy" in name], ops.names
+
+
 def test_bad_inputs_are_refused_by_name():
     cos, sin = tables(7, 8, torch.float32)
     with pytest.raises(ValueError, match=r"qkv must be \(batch, seq, 3, heads, d_head\).*\(1, 7, 2, 2, 8\)"):

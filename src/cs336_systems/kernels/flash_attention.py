@@ -1,7 +1,7 @@
 """FlashAttention-2 as autograd Functions: a tiled pure-PyTorch version and a Triton version.
 
 Both take Q of shape (..., N_q, d) and K, V of shape (..., N_k, d) with the same leading (batch) dims, return O
-of Q's shape and dtype, and save exactly one logsumexp tensor L of shape (..., N_q) (float32) beside Q, K, V, O.
+of Q's shape and dtype (the Triton version's laid out in V's dimension order), and save exactly one logsumexp tensor L of shape (..., N_q) (float32) beside Q, K, V, O.
 Causal masking is top-left aligned: query i attends to keys j <= i (as `scaled_dot_product_attention`).
 
 Backward passes:
@@ -209,9 +209,33 @@ def _as_batched(x: Tensor) -> Tensor:
     return x.reshape(-1, *x.shape[-2:])
 
 
+def _batched_view(x: Tensor) -> Tensor | None:
+    """x as (batch, seq, d) without a copy, or None where its leading dims do not merge."""
+    if x.dim() == 3:
+        return x
+    try:
+        return x.view(-1, *x.shape[-2:])
+    except RuntimeError:
+        return None
+
+
+def _empty_output(Q: Tensor, V: Tensor) -> Tensor:
+    """O's storage: Q's shape and dtype in V's dimension order. O's rows are mixtures of V's rows; a model whose V
+    is a heads-last slice of its projection gets a heads-last O, which its output projection reads through a view
+    instead of a copy. (Q's order would do the same only where Q is heads-last, which a model's RoPE need not keep;
+    measured: kernels/hopper/FINDINGS.md.)"""
+    # outermost first; the sort is stable, so dims of equal stride (size 1) keep their order
+    order = sorted(range(V.dim()), key=V.stride, reverse=True)
+    return torch.empty_permuted(Q.shape, order, dtype=Q.dtype, device=Q.device)
+
+
 def _forward(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, tier: str) -> tuple[Tensor, Tensor]:
-    O, L = flash_tiers.get(tier).forward(_as_batched(Q), _as_batched(K), _as_batched(V), is_causal)
-    return (O, L) if Q.dim() == 3 else (O.view(Q.shape), L.view(Q.shape[:-1]))
+    O = _empty_output(Q, V)
+    out = _batched_view(O)
+    o, L = flash_tiers.get(tier).forward(_as_batched(Q), _as_batched(K), _as_batched(V), is_causal, out)
+    if out is None:  # a heads-last O at batch > 1: the tier's (batch * heads, seq, d) rows cannot view it
+        O.copy_(o.view(Q.shape))
+    return O, (L if Q.dim() == 3 else L.view(Q.shape[:-1]))
 
 
 def _backward(Q, K, V, O, dO, L, is_causal: bool, tier: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -243,7 +267,7 @@ def _direct(Q: Tensor) -> bool:
 def flash_attention_forward(
     Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, tier: str | None = None
 ) -> tuple[Tensor, Tensor]:
-    """O (Q's shape and dtype) and the logsumexp L (Q.shape[:-1], float32), both contiguous."""
+    """O (Q's shape and dtype, in V's dimension order) and the logsumexp L (Q.shape[:-1], float32, contiguous)."""
     _validate(Q, K, V, is_causal, for_triton=True)
     return _forward(Q, K, V, is_causal, flash_tiers.tier_for(Q, is_causal, tier))
 
@@ -251,7 +275,7 @@ def flash_attention_forward(
 @flash_attention_forward.register_fake
 def _(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, tier: str | None = None) -> tuple[Tensor, Tensor]:
     _validate(Q, K, V, is_causal, for_triton=True)
-    return Q.new_empty(Q.shape), Q.new_empty(Q.shape[:-1], dtype=torch.float32)
+    return _empty_output(Q, V), Q.new_empty(Q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("cs336::flash_attention_backward", mutates_args=())

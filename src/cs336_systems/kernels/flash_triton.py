@@ -544,7 +544,7 @@ _dq = CachedLaunch(flash_bwd_dq_kernel)
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Launchers: (batch, seq, d) tensors of one dtype (copied where not contiguous); outputs contiguous.
+# Launchers: (batch, seq, d) tensors of one dtype (copied where not contiguous); new outputs contiguous.
 # ----------------------------------------------------------------------------------------------------------
 def _tune_bucket(n: int) -> int:
     """Short (<= 1024), medium (<= 8192) and long sequences get their own autotuned tile configs."""
@@ -567,12 +567,13 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> dict:
 
 
 def flash_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (batch, N_q, d) in q's dtype and the logsumexp L (batch, N_q) in float32."""
+    """O (batch, N_q, d) in q's dtype and the logsumexp L (batch, N_q) in float32. O is written into `out` where
+    given (any strides: through a contiguous copy unless it is contiguous itself), else into a new tensor."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     batch, n_queries, d = q.shape
-    o = torch.empty_like(q)
+    o = out if out is not None and out.is_contiguous() else torch.empty_like(q)
     lse = q.new_empty((batch, n_queries), dtype=torch.float32)
     _fwd(
         (q.dtype, batch, n_queries, k.shape[1], d, is_causal),
@@ -580,6 +581,8 @@ def flash_forward(
         (q, k, v, o, lse),
         lambda: _shape_args(q, k, is_causal),
     )
+    if out is not None and o is not out:
+        o = out.copy_(o)
     return o, lse
 
 

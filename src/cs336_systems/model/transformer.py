@@ -153,6 +153,7 @@ class CausalSelfAttention(nn.Module):
             positions = torch.arange(seq, device=x.device)
             q, k = self.rope(q, positions), self.rope(k, positions)
         y = self.attend(q, k, v)
+        # a view where y is laid out heads-last (our attention writes O in v's order, and v is a slice of qkv)
         return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
 
 

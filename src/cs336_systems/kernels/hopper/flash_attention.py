@@ -1,7 +1,7 @@
 """FlashAttention for Hopper (sm_90) in Gluon: TMA, mbarrier rings, warp specialisation and async wgmma.
 
-The contract is `flash_triton`'s: (batch, seq, d) Q, K, V (batch = batch * heads flattened), O (contiguous) in
-the input dtype and the logsumexp L (batch, N_q) in natural-log units, float32; causal masking top-left aligned
+The contract is `flash_triton`'s: (batch, seq, d) Q, K, V (batch = batch * heads flattened), O (contiguous, or
+written into the `out` it is given, in place wherever TMA can span it) in the input dtype and the logsumexp L (batch, N_q) in natural-log units, float32; causal masking top-left aligned
 (query i sees keys j <= i). Inputs need not be contiguous: TMA reads any view whose rows are contiguous with
 16-byte aligned strides (the model's V, a slice of its QKV projection, and the dO of its output projection, both
 (heads, seq, d) views with rows `3 * heads * d` or `heads * d` apart), so only other layouts are copied.
@@ -265,14 +265,18 @@ def _prepared(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (batch, N_q, d) in q's dtype and the logsumexp L (batch, N_q) in float32, natural-log units."""
+    """O (batch, N_q, d) in q's dtype and the logsumexp L (batch, N_q) in float32, natural-log units. O is written
+    into `out` where given: by the kernel's TMA stores where a descriptor can span it, else through a copy."""
     q, k, v = _prepared(q, k, v)
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
     cfg = forward_config(d, max(n_queries, n_keys), is_causal)
-    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous whatever q's strides
+    if out is not None and _tma_readable(out):
+        o = out
+    else:  # contiguous whatever q's strides
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, n_queries), dtype=torch.float32, device=q.device)
     # the persistent kernel's work counter, zeroed by a launch of its own (flash_replay repeats launches, not fills)
     counter = torch.empty(1, dtype=torch.int32, device=q.device)
@@ -301,6 +305,8 @@ def forward(
             "maxnreg": cfg.maxnreg,
         },
     )
+    if out is not None and o is not out:
+        o = out.copy_(o)
     return o, lse
 
 
