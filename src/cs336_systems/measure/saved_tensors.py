@@ -264,7 +264,9 @@ def analytic_residuals(
         s.add("attn", op, (b, h, t, dh), "k", storage_shape=act)
         s.add("attn", op, (b, h, t, dh), "attn.qkv.out", storage_shape=(b, t, 3 * d))
         s.add("attn", op, (b, h, t, dh), "o", storage_shape=act)
-    s.linear("attn.out", "attn.heads (copy)", b * t, d, d, act)  # (b, h, t, dh) -> (b, t, d) copies
+    # The output projection takes the heads as (b, t, d): the reshape copies naive attention's (b, h, t, dh)
+    # output, and is a view of ours, whose O is laid out heads-last (in V's order), so it keeps O's storage.
+    s.linear("attn.out", "attn.heads (copy)" if attention == "naive" else "o", b * t, d, d, act)
     s.rmsnorm("ffn_norm", "x + attn", b, t, d)
     s.linear("ffn.w1", "ffn_norm.out", b * t, d, d_ff, act)
     s.add("ffn", "SiluBackward0", (b, t, d_ff), "w1.out")
