@@ -10,6 +10,7 @@ import os
 import sys
 import types
 
+from ..dispatch_log import OpLog
 from ..fresh_process import assert_passes_in_fresh_process, triton_imported_compiled
 
 TRITON_PREIMPORTED = triton_imported_compiled()
@@ -19,7 +20,6 @@ os.environ["TRITON_INTERPRET"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from cs336_systems.kernels import flash_attention, flash_tiers, flash_triton  # noqa: E402
 from cs336_systems.kernels.flash_attention import FlashAttentionTriton  # noqa: E402
@@ -357,19 +357,10 @@ def test_compiled_calls_go_through_the_operators():
 @launches_kernels
 def test_dispatch_modes_see_the_forward_operator():
     # Selective activation checkpointing decides by op under a dispatch mode: our forward must be one it sees.
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     q, k, v, _ = (t.requires_grad_() for t in qkv((2,), 20, 20, 16))
-    with Record() as record:
+    with OpLog() as log:
         FlashAttentionTriton.apply(q, k, v, True)
-    assert "cs336.flash_attention_forward.default" in record.ops
+    assert "cs336.flash_attention_forward.default" in log.names
 
 
 @pytest.mark.skipif(not TRITON_PREIMPORTED, reason="the tests ran in this process")

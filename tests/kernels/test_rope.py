@@ -3,6 +3,7 @@ in Triton's CPU interpreter (set before anything imports triton; a fresh process
 
 import os
 
+from ..dispatch_log import OpLog
 from ..fresh_process import assert_passes_in_fresh_process, triton_imported_compiled
 
 TRITON_PREIMPORTED = triton_imported_compiled()
@@ -103,21 +104,10 @@ def test_model_with_the_kernel_trains_as_with_the_module(compiled):
 def test_the_output_projection_reads_our_attention_without_a_copy(rope):
     """V a heads-last slice of the projection (either RoPE), O in V's order from our attention: the output
     projection's (batch, seq, d_model) input is a view of O, with no copy between them."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     for batch in (1, 2):
         cfg = ModelConfig(context_length=11, d_model=32, num_heads=2, attention="flash_triton", rope=rope)
         attention = TransformerLM(cfg).blocks[0].attn
-        with Ops() as ops:
+        with OpLog() as ops:
             attention(torch.randn(batch, 11, 32))
         assert "cs336.flash_attention_forward.default" in ops.names
         assert not [name for name in ops.names if "clone" in name or "copy" in name], ops.names

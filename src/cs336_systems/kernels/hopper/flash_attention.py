@@ -1,7 +1,8 @@
 """FlashAttention for Hopper (sm_90) in Gluon: TMA, mbarrier rings, warp specialisation and async wgmma.
 
 The contract is `flash_triton`'s: (batch, seq, d) Q, K, V (batch = batch * heads flattened), O (contiguous, or
-written into the `out` it is given, in place wherever TMA can span it) in the input dtype and the logsumexp L (batch, N_q) in natural-log units, float32; causal masking top-left aligned
+written into the `out` it is given, in place wherever TMA can span it) in the input dtype and the logsumexp L
+(batch, N_q) in natural-log units, float32; causal masking top-left aligned
 (query i sees keys j <= i). Inputs need not be contiguous: TMA reads any view whose rows are contiguous with
 16-byte aligned strides (the model's V, a slice of its QKV projection, and the dO of its output projection, both
 (heads, seq, d) views with rows `3 * heads * d` or `heads * d` apart), so only other layouts are copied.
