@@ -53,3 +53,40 @@ use rule launch_ranks as fsdp_benchmark with:
 
 
 WRITEUP_INPUTS += expand([FSDP_CSV, FSDP_TIMELINE_CSV], world_size=sorted(FSDP_JOBS))
+
+
+# Our FSDP's GPU tests (the `gpu` tests of tests/parallel/test_fsdp.py: the protocol with CUDA tensors, and over
+# NCCL with a GPU per rank) on two of the run's GPUs, their pass/fail table published beside the timings. Without
+# CUDA the experiment writes `skipped` rows; with one GPU the NCCL test is reported skipped.
+FSDP_TESTS = ["tests/parallel/test_fsdp.py"]
+FSDP_TEST_HELPERS = ["tests/conftest.py", "tests/workers/fsdp_worker.py"]
+FSDP_TESTS_CSV = f"{RESULTS}/fsdp_gpu_tests/tests.csv"
+FSDP_TEST_GPUS = 2 * GPU_JOB
+
+
+rule fsdp_gpu_tests:
+    message:
+        "our FSDP's GPU tests on {params.gpus} GPUs -> {output.csv}"
+    input:
+        tests=[ancient(t) if VIEW_ONLY else t for t in FSDP_TESTS],
+        helpers=[ancient(t) if VIEW_ONLY else t for t in FSDP_TEST_HELPERS],
+        code=code("experiments/gpu_tests.py", "parallel/fsdp.py", *DIST_CODE),
+    output:
+        csv=report(FSDP_TESTS_CSV, **FSDP_REPORT),
+        json=f"{RESULTS}/fsdp_gpu_tests/tests.json",
+    params:
+        gpus=FSDP_TEST_GPUS,
+        gpus_ok=lambda w: gpus_ok(FSDP_TEST_GPUS, FSDP_TESTS_CSV),
+    threads: NEEDS["model"].threads
+    resources:
+        **job("model", gpu=FSDP_TEST_GPUS),
+    log:
+        f"{RESULTS}/logs/fsdp_gpu_tests.log",
+    conda:
+        ENV
+    shell:
+        "pin_gpus {params.gpus}; "
+        "python -m cs336_systems.experiments.gpu_tests --tests {input.tests} --marker gpu --out {output.csv} 2> {log}"
+
+
+WRITEUP_INPUTS.append(FSDP_TESTS_CSV)

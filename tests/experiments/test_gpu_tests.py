@@ -8,7 +8,7 @@ import pytest
 
 from cs336_systems.experiments import gpu_tests
 from cs336_systems.report.context import Context
-from cs336_systems.report.sections import flash_peers
+from cs336_systems.report.sections import flash_peers, fsdp
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="3">
@@ -39,6 +39,15 @@ def test_without_cuda_every_file_is_a_skipped_row(tmp_path, monkeypatch):
     gpu_tests.main(["--tests", __file__, "--out", str(out)])
     frame = pd.read_csv(out)
     assert list(frame["status"]) == ["skipped"] and list(frame["reason"]) == ["needs CUDA"]
+
+
+def test_a_marker_runs_only_the_tests_it_selects(tmp_path):
+    tests = tmp_path / "test_marked.py"
+    tests.write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_on_gpu():\n    pass\n\ndef test_anywhere():\n    pass\n"
+    )
+    assert [r["test"].split("::")[1] for r in gpu_tests.run_file(str(tests), 120, "gpu")] == ["test_on_gpu"]
+    assert len(gpu_tests.run_file(str(tests), 120)) == 2
 
 
 def test_a_missing_test_file_is_refused_before_anything_runs(capsys):
@@ -84,3 +93,22 @@ def test_the_writeup_names_timings_from_other_commits(tmp_path):
     )
     (results / "flash_peers/old.csv").unlink()
     assert "Timings below" not in flash_peers.gpu_tests(Context("gpu", results, tmp_path))
+
+
+def test_the_fsdp_section_shows_its_gpu_tests_and_why_one_was_skipped(tmp_path):
+    results = tmp_path / "results"
+    (results / "fsdp_gpu_tests").mkdir(parents=True)
+    rows = [
+        {"file": "tests/parallel/test_fsdp.py", "test": "t::test_the_protocol_with_cuda_tensors[2]",
+         "outcome": "passed", "message": "", "status": "ok"},
+        {"file": "tests/parallel/test_fsdp.py", "test": "t::test_the_protocol_over_nccl", "outcome": "skipped",
+         "message": "needs 2 GPUs", "status": "ok"},
+    ]  # fmt: skip
+    pd.DataFrame(rows).to_csv(results / "fsdp_gpu_tests/tests.csv", index=False)
+    provenance = {"device_name": "NVIDIA H200", "device_count": 1, "torch": "2.11", "git_commit": "abc",
+                  "timestamp": "t"}  # fmt: skip
+    (results / "fsdp_gpu_tests/tests.json").write_text(json.dumps({"provenance": provenance, "params": {}}))
+    text = fsdp.gpu_tests(Context("gpu", results, tmp_path))
+    assert "| tests/parallel/test_fsdp.py |        1 |         1 |" in text
+    assert "All 1 tests that ran passed. 1 skipped: needs 2 GPUs." in text
+    assert "has no results" in fsdp.gpu_tests(Context("gpu", tmp_path / "elsewhere", tmp_path))

@@ -1,7 +1,7 @@
 """The kernels' tests, run on the GPU whose timings the writeup shows: one row per test with its outcome, so that
 the writeup can say that the kernels it timed passed their tests at this commit on this GPU.
 
-Each `--tests` file runs whole in a pytest process of its own (a kernel test file fixes at import whether Triton
+Each `--tests` file runs whole (or its `--marker` tests) in a pytest process of its own (a kernel test file fixes at import whether Triton
 runs compiled or interpreted, so two files must not share a process), its results read from pytest's JUnit XML.
 One row per test: `file`, `test` (JUnit's class name :: test name), `outcome` (passed, failed, error or skipped), `seconds` and
 `message` (a failure's or skip's first line), `status` ok. Without CUDA nothing runs: one row per file, `status`
@@ -33,6 +33,9 @@ OUTCOMES = ("passed", "failed", "error", "skipped")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.parser(__doc__, seed=False)
     p.add_argument("--tests", nargs="+", required=True, help="pytest files, each run in its own process")
+    p.add_argument(
+        "--marker", help="run only the tests this pytest marker expression selects (pytest -m), e.g. gpu"
+    )
     p.add_argument(
         "--timeout-s", type=cli.positive_int, default=1200, help="the most one file's pytest run may take"
     )
@@ -67,11 +70,14 @@ def junit_rows(xml_text: str, file: str) -> list[dict]:
     return rows
 
 
-def run_file(path: str, timeout_s: int) -> list[dict]:
-    """pytest over one file in a process of its own: its tests' rows, or one error row saying why there are none."""
+def run_file(path: str, timeout_s: int, marker: str | None = None) -> list[dict]:
+    """pytest over one file in a process of its own (only the tests `marker` selects, if given): its tests' rows,
+    or one error row saying why there are none."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", path]
+        if marker:
+            cmd += ["-m", marker]
         print(f"gpu_tests: {' '.join(cmd)}", file=sys.stderr, flush=True)
         try:
             done = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, timeout=timeout_s)
@@ -91,7 +97,9 @@ def run_file(path: str, timeout_s: int) -> list[dict]:
 def run(args: argparse.Namespace) -> list[dict]:
     if not torch.cuda.is_available():
         return [{"file": path, "status": "skipped", "reason": "needs CUDA"} for path in args.tests]
-    rows = [{**row, "status": "ok"} for path in args.tests for row in run_file(path, args.timeout_s)]
+    rows = [
+        {**row, "status": "ok"} for path in args.tests for row in run_file(path, args.timeout_s, args.marker)
+    ]
     counts = {o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}
     print(f"gpu_tests: {counts}", file=sys.stderr)
     return rows

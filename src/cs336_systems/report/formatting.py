@@ -160,3 +160,20 @@ def phase_cell(row: pd.Series, phase: str) -> str:
     if row["oom_phase"] == "forward" or row["oom_phase"] == phase:
         return "OOM"
     return "—"
+
+
+def pytest_outcomes(frame: pd.DataFrame) -> str:
+    """A table of pytest results (experiments/gpu_tests.py) as its outcome counts per file, then one verdict
+    sentence: every test that ran passed, or which failed and why, and why any were skipped."""
+    counts = frame.pivot_table(index="file", columns="outcome", values="test", aggfunc="count", fill_value=0)
+    counts = counts.reindex(columns=[o for o in ("passed", "failed", "error", "skipped") if o in counts])
+    failed = frame[frame["outcome"].isin(["failed", "error"])]
+    verdict = (
+        f"All {int((frame['outcome'] == 'passed').sum())} tests that ran passed"
+        if failed.empty
+        else f"**{len(failed)} failed**: "
+        + "; ".join(f"`{t}` ({m})" for t, m in zip(failed["test"], failed["message"], strict=True))
+    )
+    skipped = frame[frame["outcome"] == "skipped"]["message"].value_counts()
+    why = "; ".join(f"{n} skipped: {m}" for m, n in skipped.items())
+    return f"{md(counts.reset_index())}\n\n{verdict}." + (f" {why}." if why else "")

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from cs336_systems.report.context import Context, reason_if_not_run
-from cs336_systems.report.formatting import commit_text, md, provenance_line, text_md
+from cs336_systems.report.formatting import commit_text, md, provenance_line, pytest_outcomes, text_md
 from cs336_systems.report.sections import flash_goals
 from cs336_systems.report.sections.flash import (
     CHECKED_ABOVE,
@@ -53,17 +53,6 @@ def gpu_tests(ctx: Context) -> str:
         "The kernels' tests on the GPU",
         off_gpu=f"the kernels' tests of this part run on a GPU, and {INTERPRETED_ONLY}; {CHECKED_ABOVE}",
     )
-    counts = frame.pivot_table(index="file", columns="outcome", values="test", aggfunc="count", fill_value=0)
-    counts = counts.reindex(columns=[o for o in ("passed", "failed", "error", "skipped") if o in counts])
-    failed = frame[frame["outcome"].isin(["failed", "error"])]
-    verdict = (
-        f"All {int((frame['outcome'] == 'passed').sum())} tests that ran passed"
-        if failed.empty
-        else f"**{len(failed)} failed**: "
-        + "; ".join(f"`{t}` ({m})" for t, m in zip(failed["test"], failed["message"], strict=True))
-    )
-    skipped = frame[frame["outcome"] == "skipped"]["message"].value_counts()
-    why = "; ".join(f"{n} skipped: {m}" for m, n in skipped.items())
     return "\n".join(
         [
             provenance_line(metas),
@@ -73,9 +62,7 @@ def gpu_tests(ctx: Context) -> str:
             "and against the portable tier compiled on CUDA; each tier's launch cache (after a shape's first call, "
             "no Triton dispatch, and the same results as that call).",
             "",
-            md(counts.reset_index()),
-            "",
-            f"{verdict}." + (f" {why}." if why else "") + timed_elsewhere(ctx, metas),
+            pytest_outcomes(frame) + timed_elsewhere(ctx, metas),
         ]
     )
 

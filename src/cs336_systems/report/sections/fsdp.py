@@ -20,6 +20,7 @@ from cs336_systems.report.formatting import (
     not_measured,
     or_dash,
     provenance_line,
+    pytest_outcomes,
     text_md,
 )
 
@@ -57,7 +58,31 @@ def render(ctx: Context) -> str:
         out += ["", f"### World size {world_size:.0f}", "", world(frame, cells, int(world_size))]
     out += ["", "### Expected vs measured peak memory (fsdp_accounting a)", "", accounting(cells, metas)]
     out += ["", "### Do the all-gathers finish in time? (fsdp_accounting b)", "", timeline(ctx, cells)]
+    out += ["", "### Our FSDP's GPU tests", "", gpu_tests(ctx)]
     return "\n".join(out)
+
+
+@reason_if_not_run
+def gpu_tests(ctx: Context) -> str:
+    """The pass/fail table of our FSDP's GPU tests, run on the run's GPUs (experiments/gpu_tests.py -m gpu)."""
+    frame, metas = ctx.require(
+        "fsdp_gpu_tests",
+        "Our FSDP's GPU tests",
+        off_gpu="these tests need CUDA; on the CPU the suite runs the same protocol over gloo "
+        "(tests/parallel/test_fsdp.py)",
+    )
+    return "\n".join(
+        [
+            provenance_line(metas),
+            "",
+            "The `gpu` tests of `tests/parallel/test_fsdp.py` in a pytest process on this run's GPUs, at the "
+            "commit above: the assignment's protocol cases (training equal to one process's, bitwise in fp32) with "
+            "every rank's model and data on a GPU, and over NCCL with a GPU per rank, where the reduce-scatter "
+            "averages inside NCCL (two GPUs or more).",
+            "",
+            pytest_outcomes(frame),
+        ]
+    )
 
 
 def cell_table(frame: pd.DataFrame) -> pd.DataFrame:
