@@ -1,11 +1,11 @@
-"""The kernels' tests, run on the GPU whose timings the writeup shows: one row per test with its outcome, so that
-the writeup can say that the kernels it timed passed their tests at this commit on this GPU.
+"""Tests run on the GPUs whose timings the writeup shows (the kernels', our FSDP's): one row per test with its
+outcome, so that the writeup can say that the code it timed passed its tests at this commit on these GPUs.
 
-Each `--tests` file runs whole (or its `--marker` tests) in a pytest process of its own (a kernel test file fixes at import whether Triton
-runs compiled or interpreted, so two files must not share a process), its results read from pytest's JUnit XML.
-One row per test: `file`, `test` (JUnit's class name :: test name), `outcome` (passed, failed, error or skipped), `seconds` and
-`message` (a failure's or skip's first line), `status` ok. Without CUDA nothing runs: one row per file, `status`
-skipped and its `reason`.
+Each `--tests` file runs whole, or only its tests that `--marker` selects, in a pytest process of its own (a kernel
+test file fixes at import whether Triton runs compiled or interpreted, so two files must not share a process), its
+results read from pytest's JUnit XML. One row per test: `file`, `test` (JUnit's class name :: test name),
+`outcome` (passed, failed, error or skipped), `seconds` and `message` (a failure's or skip's first line), `status`
+ok. Without CUDA nothing runs: one row per file, `status` skipped and its `reason`.
 
 Example:
   python -m cs336_systems.experiments.gpu_tests \\
