@@ -315,6 +315,8 @@ class FullyShardedDataParallel(nn.Module):
         # leaderboard's 8 GB of bf16 shards per rank: 4 ms on an H200, the result bit-equal at world size 2);
         # gloo has no AVG, so there the shards are divided
         self._reduce_op = reduce_op_for(dist.get_backend(), self.divide_factor, self.world)
+        # what the reduced shards are still to be divided by: nothing where the reduce-scatter averaged
+        self._divide_after = 1.0 if self._reduce_op == dist.ReduceOp.AVG else self.divide_factor
         if not on_meta:
             _broadcast_from_rank0(module)
 
@@ -751,8 +753,8 @@ class FullyShardedDataParallel(nn.Module):
             if work is not None:
                 work.wait()
             for reduced, param in reduced_shards:
-                if self.divide_factor != 1 and (work is None or self._reduce_op != dist.ReduceOp.AVG):
-                    reduced.div_(self.divide_factor)
+                if self._divide_after != 1:
+                    reduced.div_(self._divide_after)
                 param.grad = reduced if param.grad is None else param.grad + reduced
         self._reductions.clear()
         if timer is not None:
