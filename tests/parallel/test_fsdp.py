@@ -39,13 +39,13 @@ CASES_AT = {
     2: [
         *("equality", "frozen", "compute_dtype", "prefetch", "transformer", "tied", "anomaly"),
         *("units", "partly_used", "bf16", "meta", "protocol", "protocol_low_precision", "exact_transformer"),
-        *("lifetime", "gloo_alone"),
+        *("lifetime", "gloo_alone", "exact_averaging"),
     ],
     3: [
         *("equality", "frozen", "units", "partly_used", "bf16", "meta", "protocol", "protocol_low_precision"),
         *("exact_transformer", "torch_nn_bf16", "exact_refusals"),
     ],
-    4: ["equality", "frozen", "protocol", "protocol_low_precision", "exact_transformer"],
+    4: ["equality", "frozen", "protocol", "protocol_low_precision", "exact_transformer", "exact_averaging"],
 }
 
 
@@ -126,6 +126,11 @@ def test_the_assignments_protocol_bitwise_in_fp32_and_close_in_fp16_and_bf16(lau
     assert_cases_pass(
         launched(world_size), world_size, "protocol", "protocol_low_precision", "exact_transformer"
     )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_exact_mode_divides_its_gradients_where_the_reduce_scatter_would_average(launched, world_size: int):
+    assert_cases_pass(launched(world_size), world_size, "exact_averaging")
 
 
 def test_torch_nn_model_under_bf16_compute_and_what_exact_mode_refuses(launched):

@@ -636,6 +636,22 @@ def protocol(optimizer_name: str, dtype: torch.dtype | None = None, tolerance: f
                 )
 
 
+def exact_where_the_reduce_scatter_averages() -> None:
+    """Exact mode reduces nothing, so its gradients are divided after whatever the reduce-scatter's op: here the
+    op NCCL gets (AVG) while the ranks run on gloo, where that path is otherwise never taken (a refactor that
+    skipped the division wherever the op was AVG passed on gloo and failed over NCCL)."""
+
+    def averaging(backend: str, divide_factor: float, world: int) -> dist.ReduceOp:
+        return dist.ReduceOp.AVG
+
+    original, fsdp_module.reduce_op_for = fsdp_module.reduce_op_for, averaging
+    try:
+        protocol("sgd")
+        train_against_reference("adamw", exact=True)
+    finally:
+        fsdp_module.reduce_op_for = original
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm()).item()
 
@@ -764,6 +780,7 @@ CASES = {
     "torch_nn_bf16": torch_nn_bf16,
     "exact_transformer": lambda: block_units(exact=True),
     "exact_refusals": exact_refusals,
+    "exact_averaging": exact_where_the_reduce_scatter_averages,
     "lifetime": grouped_collectives_hold_their_tensors,
     "gloo_alone": gloo_collectives_go_alone,
 }

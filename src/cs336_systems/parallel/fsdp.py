@@ -315,8 +315,6 @@ class FullyShardedDataParallel(nn.Module):
         # leaderboard's 8 GB of bf16 shards per rank: 4 ms on an H200, the result bit-equal at world size 2);
         # gloo has no AVG, so there the shards are divided
         self._reduce_op = reduce_op_for(dist.get_backend(), self.divide_factor, self.world)
-        # what the reduced shards are still to be divided by: nothing where the reduce-scatter averaged
-        self._divide_after = 1.0 if self._reduce_op == dist.ReduceOp.AVG else self.divide_factor
         if not on_meta:
             _broadcast_from_rank0(module)
 
@@ -363,8 +361,10 @@ class FullyShardedDataParallel(nn.Module):
         # reduced (a unit's gradients are reduce-scattered together once the last is there)
         self._gathers: list[list] = [[] for _ in self.units]
         self._unit_grads: list[list[tuple[_ShardedWeight, torch.Tensor]]] = [[] for _ in self.units]
-        # reductions in flight: a group's work (None: nothing to wait for) and its (reduced shard gradient, shard)
-        self._reductions: list[tuple[object | None, list[tuple[torch.Tensor, nn.Parameter]]]] = []
+        # reductions in flight: a group's work (None: nothing to wait for), what its results are still to be
+        # divided by (1 where the reduce-scatter averaged; divide_factor for a sum, or for an exact call's gradient,
+        # which no collective reduced), and its (reduced shard gradient, shard) pairs
+        self._reductions: list[tuple[object | None, float, list[tuple[torch.Tensor, nn.Parameter]]]] = []
         self._exact_grads: dict[nn.Parameter, torch.Tensor] = {}  # replicated gradients summed over the batch
         self._calls: dict[nn.Module, list[_ExactCall]] = {}  # exact calls between a module's two hooks
         # an input of every exact call's autograd node, so that its output needs a gradient (token ids do not)
@@ -662,7 +662,11 @@ class FullyShardedDataParallel(nn.Module):
             if flat.numel() < weight.buffer.numel():
                 flat = torch.nn.functional.pad(flat, (0, weight.buffer.numel() - flat.numel()))
             self._reductions.append(
-                (None, [(weight.own_chunk(flat).to(weight.shard.dtype).clone(), weight.shard)])
+                (
+                    None,
+                    self.divide_factor,
+                    [(weight.own_chunk(flat).to(weight.shard.dtype).clone(), weight.shard)],
+                )
             )
             weight.free()
         for (_, _, param), param_grad in zip(call.params, rest[len(call.weights) :], strict=True):
@@ -700,7 +704,9 @@ class FullyShardedDataParallel(nn.Module):
         if not grads:
             return
         if self.world == 1:
-            self._reductions.append((None, [(grad, weight.shard) for weight, grad in grads]))
+            self._reductions.append(
+                (None, self.divide_factor, [(grad, weight.shard) for weight, grad in grads])
+            )
             return
         inputs, outputs = [], []
         for weight, grad in grads:
@@ -711,8 +717,9 @@ class FullyShardedDataParallel(nn.Module):
                 (self.world - 1) * weight.shard_numel * grad.element_size()
             )
         work = reduce_scatter_coalesced(outputs, inputs, self._reduce_op)
+        divide_by = 1.0 if self._reduce_op == dist.ReduceOp.AVG else self.divide_factor
         self._reductions.append(
-            (work, [(out, weight.shard) for out, (weight, _) in zip(outputs, grads, strict=True)])
+            (work, divide_by, [(out, weight.shard) for out, (weight, _) in zip(outputs, grads, strict=True)])
         )
 
     def _average_replicated_gradients(self) -> None:
@@ -749,12 +756,12 @@ class FullyShardedDataParallel(nn.Module):
         for weight in self.weights:
             weight.free()
         self._average_replicated_gradients()
-        for work, reduced_shards in self._reductions:
+        for work, divide_by, reduced_shards in self._reductions:
             if work is not None:
                 work.wait()
             for reduced, param in reduced_shards:
-                if self._divide_after != 1:
-                    reduced.div_(self._divide_after)
+                if divide_by != 1:
+                    reduced.div_(divide_by)
                 param.grad = reduced if param.grad is None else param.grad + reduced
         self._reductions.clear()
         if timer is not None:
