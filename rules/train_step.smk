@@ -9,7 +9,8 @@ TRAIN_STEP_CSV = f"{RESULTS}/train_step/{{stack}}.csv"
 TRAIN_STEP_LIBRARY = ("training/stacks.py", "training/workload.py", "kernels/fused_cross_entropy.py", "kernels/fused_adamw.py",
                       "kernels/rope.py", *FLASH_KERNEL_CODE,
                       "model/checkpointing.py", "model/transformer.py", "measure/profiling.py")
-TRAIN_STEP_CODE = code("experiments/train_step_benchmark.py", "bench/stack_timing.py", *TRAIN_STEP_LIBRARY)
+TRAIN_STEP_CODE = code("experiments/train_step_benchmark.py", "bench/stack_timing.py", "measure/gpu_telemetry.py",
+                       *TRAIN_STEP_LIBRARY)
 # The model every train_step job runs, sharded or not: its dimensions, and its LM head's tokens per chunk by head
 # (so that a sharded step and the one-GPU fits it is compared with run the same head).
 HEAD_CHUNKS = TRAIN_STEP.get("head_chunks", {})

@@ -789,3 +789,50 @@ def test_stack_table_names_the_rope_that_ran():
     assert table["RoPE"].tolist() == ["our Triton kernels", "PyTorch (RotaryEmbedding)"]
     older = train_step.stack_table(cells.drop(columns="rope"), ["ours"], "bfloat16")
     assert older["RoPE"].tolist() == ["PyTorch (RotaryEmbedding)"]
+
+
+def test_the_clock_each_step_ran_at_and_its_share_of_the_overhead(tmp_path, monkeypatch):
+    # one-GPU runs: the fit to 34 layers and cells at 2, 4 and 8 layers with their mean SM clocks
+    for stack, step_s, clocks in (
+        ("native", 4.55, (1630.0, 1620.0, 1610.0)),
+        ("ours", 4.18, (1600.0, 1590.0, 1580.0)),
+    ):
+        fit = {"kind": "fit", "stack": stack, "num_layers": 34, "world_size": 1, "step_ms": step_s * 1e3,
+               "per_layer_ms": 120.0, "intercept_ms": 200.0, "peak_mib": NAN, "status": "extrapolated"}  # fmt: skip
+        cells = [{"kind": "cell", "stack": stack, "num_layers": n, "world_size": 1, "step_ms": 400.0 + 120 * n,
+                  "peak_mib": NAN, "status": "ok", "sm_clock_mhz": clock, "power_w": 690.0}
+                 for n, clock in zip((2, 4, 8), clocks, strict=True)]  # fmt: skip
+        write_rows(
+            pd.DataFrame([*cells, fit]), tmp_path / f"results/train_step/{stack}.csv", {"stacks": [stack]}
+        )
+    rows = [cell("native_fsdp", 4690.0, 120 * 1024) | {"sm_clock_mhz": 1600.0, "power_w": 688.0},
+            cell("ours_fsdp", 4350.0, 120 * 1024) | {"sm_clock_mhz": 1560.0, "power_w": 691.0},
+            cell("ours_fsdp_sdpa", 4490.0, 120 * 1024)]  # fmt: skip
+    text = sharded(tmp_path, rows)
+    assert (
+        "SM clock and power: the means of NVML's readings every 0.1 s" in text and "the ranks' mean" in text
+    )
+    ours = r"\| ours under our FSDP \(compiled blocks, head and embedding as units\) +"
+    assert re.search(ours + r"\| 2 .*\| 1,560 +\| 691 +\|", text)
+    assert re.search(r"\| ours under our FSDP with SDPA's attention +\| 2 .*\| — +\| — +\|", text)  # not read
+    assert re.search(ours + r"\| 4.35 +\| 4.18 +\| \+0.17 +\| .* \| 1,560 / 1,590 +\|", text)
+    # at the one-GPU clock: 4.35 x 1560 / 1590 = 4.27 s, 0.09 s over 4.18; 4.69 x 1600 / 1620 = 4.63 s, 0.08 over 4.55
+    assert re.search(
+        r"ours under our FSDP \([^)]*\) ran at 1,560 MHz on 2 \w[\w ]* against 1,590 MHz alone: at the one-GPU clock "
+        r"its step would take 4.27 s, an overhead of \+0.09 s",
+        text,
+    )
+    assert re.search(r"under FSDP2 \([^)]*\) ran at 1,600 MHz on 2 .* against 1,620 MHz alone: .* 4.63 s, an "
+                     r"overhead of \+0.08 s", text)  # fmt: skip
+    assert "an estimate, not a measurement" in text
+
+
+def test_the_one_gpu_table_shows_the_clock_where_it_was_read(tmp_path):
+    rows = [{"kind": "cell", "stack": "ours", "num_layers": 2, "world_size": 1, "step_ms": 437.2, "peak_mib": NAN,
+             "mfu": NAN, "status": "ok", "sm_clock_mhz": 1612.4, "power_w": 689.6},
+            {"kind": "cell", "stack": "ours", "num_layers": 4, "world_size": 1, "step_ms": NAN, "peak_mib": NAN,
+             "mfu": NAN, "status": "OOM", "sm_clock_mhz": NAN, "power_w": NAN}]  # fmt: skip
+    table = train_step.cell_table(pd.DataFrame(rows), ["ours"])
+    assert table[["SM clock (MHz)", "power (W)"]].values.tolist() == [["1,612", "690"], ["—", "—"]]
+    without = train_step.cell_table(pd.DataFrame(rows).drop(columns=["sm_clock_mhz", "power_w"]), ["ours"])
+    assert "SM clock (MHz)" not in without

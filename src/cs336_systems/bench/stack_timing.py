@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems.accounting.units import MIB
+from cs336_systems.measure.gpu_telemetry import GpuTelemetry
 from cs336_systems.measure.timing import or_oom, sync, time_steps
 from cs336_systems.parallel.fsdp import FullyShardedDataParallel
 from cs336_systems.training.stacks import (
@@ -102,7 +103,8 @@ def measure(
     before the build, before the first step and after it, so the step's peak is not the build's), what the model
     keeps between steps, the allocator's stalls over the steps after the first (ALLOCATOR_EVENTS), and on one
     device the share of weights one more step changes and optimizer.step() alone; on several ranks the largest
-    rank's peaks, kept state, stalls, clock and (our FSDP) waits, those of the forward and the backward apart.
+    rank's peaks, kept state, stalls, clock and (our FSDP) waits, those of the forward and the backward apart; the
+    GPU's SM clock and power over the timed steps, warm-up included (GpuTelemetry: on several ranks their mean).
     `started_run`: the CLI's start (time.perf_counter())."""
     dims = {
         name: getattr(args, name) for name in ("d_model", "d_ff", "num_heads", "vocab_size", "context_length")
@@ -139,7 +141,8 @@ def measure(
             train.train_step()
             records.append(train.model.last_communication)
 
-    step_ms, counts = time_step(step, device, args)
+    with GpuTelemetry(device) as telemetry:  # the clock the timed steps ran at (GPUs at a power cap vary it)
+        step_ms, counts = time_step(step, device, args)
     sync(device)
     clock["elapsed_s"] = time.perf_counter() - started_run
     peaks["peak_mib"] = peak_mib(device)
@@ -159,13 +162,22 @@ def measure(
             for key in ("gather_wait", "gather_wait_forward", "gather_wait_backward", "sync_wait")
         }
     largest = {**peaks, **kept, **events, **clock, **waits}
-    if dist.is_initialized():  # the largest rank's
+    gpu = telemetry.summary()
+    if (
+        dist.is_initialized()
+    ):  # the largest rank's; the clock and power the ranks' mean, the hottest rank's temperature
         by_rank = gather_to_all(list(largest.values()))
         largest = dict(zip(largest, map(max, zip(*by_rank, strict=True)), strict=True))
+        by_rank = list(zip(*gather_to_all(list(gpu.values())), strict=True))
+        gpu = {
+            key: (max if key == "temperature_c" else np.mean)(values)
+            for key, values in zip(gpu, by_rank, strict=True)
+        }
     return {
         "step_ms": step_ms,
         **counts,
         **largest,
+        **gpu,
         **alone,
         **profiled_parts(train, device, args),
     }

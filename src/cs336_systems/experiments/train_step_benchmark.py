@@ -37,7 +37,10 @@ initialises only its shards, one layer at a time, as the plain model would be (t
 Peak memory is the largest rank's; `world_size` and the
 MFU count every rank's tokens over every rank's GPU. Our FSDP also counts, in the timed steps, the compute
 stream's wait for all-gathers (`gather_wait_ms`) and at the final synchronisation (`sync_wait_ms`): the median
-over steps, the largest rank's.
+over steps, the largest rank's. On a GPU every cell also records the SM clock and power the timed steps ran
+at (`sm_clock_mhz`, `power_w`: means of samples every 0.1 s, warm-up included; `temperature_c`: the highest; on
+several ranks the ranks' mean and the hottest; NaN where NVML cannot be read): a GPU at its power cap runs the
+same kernels slower in a long, hot, power-hungry run (cs336_systems.measure.gpu_telemetry).
 
 Every cell also says how long it took to get there (the spec's rule: from an empty PyTorch/Triton cache the whole
 benchmarking run ends within 10 minutes): `build_s` (model and optimizer), `first_step_s` (one step before the

@@ -79,6 +79,7 @@ def render(ctx: Context) -> str:
             peak_text(cells, "do_bench's calls, its 256 MB L2-flush buffer included")
             + " MFU counts model FLOPs only, "
             "6·T·(L·(4d² + 3·d·d_ff) + d·V) + L·6·T²·d per sequence, over the GPU's dense bf16 peak."
+            + (" " + GPU_STATE_TEXT.format(ranks="") if shown_columns(cells, GPU_STATE) else "")
             if gpu
             else "Peak and MFU: none on the CPU, which keeps no allocator statistics and has no GPU peak to "
             "divide by. " + interpreted_text(stacks)
@@ -540,15 +541,29 @@ MEASURED_ALONE = {
     "updated_fraction": ("weights a step changes", "{:.1%}"),
     "optimizer_ms": ("optimizer step (ms)", "{:,.1f}"),
 }
+# The GPU's state over a cell's timed steps (bench/stack_timing: measure.gpu_telemetry), where it was read.
+GPU_STATE = {"sm_clock_mhz": ("SM clock (MHz)", "{:,.0f}"), "power_w": ("power (W)", "{:,.0f}")}
+GPU_STATE_TEXT = (
+    "SM clock and power: the means of NVML's readings every 0.1 s over the timed steps, warm-up included{ranks}; a "
+    "GPU at its power cap lowers its clock as the work draws more power."
+)
+
+
+def shown_columns(cells: pd.DataFrame, columns: dict) -> dict:
+    """The columns of `columns` (name -> (heading, format)) that some cell has a value of."""
+    return {
+        column: shown for column, shown in columns.items() if column in cells and cells[column].notna().any()
+    }
+
+
+def formatted(cell: pd.Series, column: str, fmt: str) -> str:
+    value = cell.get(column)
+    return fmt.format(value) if cell["status"] == "ok" and pd.notna(value) else "—"
 
 
 def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
     rows = []
-    extra = {
-        column: shown
-        for column, shown in MEASURED_ALONE.items()
-        if column in cells and cells[column].notna().any()
-    }
+    extra = shown_columns(cells, {**MEASURED_ALONE, **GPU_STATE})
     since = since_build(cells)
     for stack in stacks:
         for _, c in cells[cells["stack"] == stack].sort_values("num_layers").iterrows():
@@ -561,7 +576,7 @@ def cell_table(cells: pd.DataFrame, stacks: list[str]) -> pd.DataFrame:
                 "MFU": mfu(c),
             }
             for column, (heading, fmt) in extra.items():
-                row[heading] = fmt.format(c[column]) if pd.notna(c[column]) else "—"
+                row[heading] = formatted(c, column, fmt)
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -881,6 +896,7 @@ def sharded_text(ctx: Context) -> str:
             if gpus
             else "Peak and MFU: none on CPU ranks, which keep no allocator statistics and have no GPU peak. "
         )
+        + (GPU_STATE_TEXT.format(ranks="; the ranks' mean") + " " if shown_columns(cells, GPU_STATE) else "")
         + "Our FSDP also "
         "counts, in the timed steps, the compute stream's wait for all-gathers (exposed all-gather) and at the final "
         "gradient synchronisation (median over the steps, the largest rank's); FSDP2 has no such count. "
@@ -967,7 +983,7 @@ def listed(values: pd.Series) -> str:
 
 
 def sharded_table(cells: pd.DataFrame, stacks: list[str], ranks: str) -> pd.DataFrame:
-    rows, since = [], since_build(cells)
+    rows, since, gpu = [], since_build(cells), shown_columns(cells, GPU_STATE)
     for stack in stacks:
         for _, c in cells[cells["stack"] == stack].sort_values(["world_size", "num_layers"]).iterrows():
             ok = c["status"] == "ok"
@@ -990,6 +1006,7 @@ def sharded_table(cells: pd.DataFrame, stacks: list[str], ranks: str) -> pd.Data
                     ),
                     "synchronisation wait (ms)": wait(c, "sync_wait_ms"),
                     **({"allocator retries": count(c, "alloc_retries")} if "alloc_retries" in cells else {}),
+                    **{heading: formatted(c, column, fmt) for column, (heading, fmt) in gpu.items()},
                 }
             )
     return pd.DataFrame(rows)
@@ -1074,13 +1091,17 @@ def at_leaderboard(cells: pd.DataFrame) -> pd.DataFrame:
 def sharding_overheads(ctx: Context, cells: pd.DataFrame, metas: list[dict]) -> pd.DataFrame:
     """Per stack that completed a step at the leaderboard's depth on its GPUs and whose one-GPU stack has a fit to
     that depth in the one-GPU table, measured on the same kind of GPU: both steps, the overhead (their difference;
-    NaN where the two ran LM-head chunks of different sizes, `chunks` says which) and both commits."""
-    columns = ["stack", "sharded_s", "one_gpu_s", "overhead_s", "chunks", "sharded_commit", "one_gpu_commit"]
+    NaN where the two ran LM-head chunks of different sizes, `chunks` says which), both commits, and the mean SM
+    clock of each (the sharded cell's; the one-GPU cells' mean over the depths fitted; NaN where not recorded)."""
+    columns = ["stack", "sharded_s", "one_gpu_s", "overhead_s", "chunks", "sharded_commit", "one_gpu_commit",
+               "sharded_clock", "one_gpu_clock"]  # fmt: skip
     found = ctx.table("train_step")
     if found is None:
         return pd.DataFrame(columns=columns)
     frame, fit_metas = found
     fits = frame[frame["kind"] == "fit"].set_index("stack")
+    one_gpu = frame[(frame["kind"] == "cell") & (frame["status"] == "ok")]
+    clocks = one_gpu.groupby("stack")["sm_clock_mhz"].mean() if "sm_clock_mhz" in one_gpu else pd.Series()
     fit_commit = stack_commits(fit_metas)
     fit_gpu = {s: p.get("device_name") for s, p in stack_provenance(fit_metas).items()}
     sharded_gpus = {m["provenance"].get("device_name") for m in metas}
@@ -1097,7 +1118,8 @@ def sharding_overheads(ctx: Context, cells: pd.DataFrame, metas: list[dict]) -> 
         chunks = (cell.get("head_chunk", math.nan), fits.loc[one].get("head_chunk", math.nan))
         unlike = all(pd.notna(c) for c in chunks) and chunks[0] != chunks[1]
         rows.append([stack, sharded_s, one_gpu_s, math.nan if unlike else sharded_s - one_gpu_s,
-                     chunks if unlike else None, ", ".join(sorted(commits(metas))), fit_commit.get(one, "unknown")])  # fmt: skip
+                     chunks if unlike else None, ", ".join(sorted(commits(metas))), fit_commit.get(one, "unknown"),
+                     cell.get("sm_clock_mhz", math.nan), clocks.get(one, math.nan)])  # fmt: skip
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -1120,6 +1142,12 @@ def overhead_text(overheads: pd.DataFrame, unit: str) -> str:
             "one-GPU commit": overheads["one_gpu_commit"],
         }
     )
+    clocked = overheads.dropna(subset=["sharded_clock", "one_gpu_clock", "overhead_s"])
+    if len(clocked):
+        table[f"SM clock on {LEADERBOARD_GPUS} {unit} / one GPU (MHz)"] = [
+            f"{a:,.0f} / {b:,.0f}" if pd.notna(a) and pd.notna(b) else "—"
+            for a, b in zip(overheads["sharded_clock"], overheads["one_gpu_clock"], strict=True)
+        ]
     mixed = overheads[overheads["sharded_commit"] != overheads["one_gpu_commit"]]
     caveat = (
         f" The sharded step was measured at {mixed['sharded_commit'].iloc[0]}, the one-GPU fits at the "
@@ -1132,7 +1160,26 @@ def overhead_text(overheads: pd.DataFrame, unit: str) -> str:
         f"**What sharding costs.** Sharding overhead = the step at {LEADERBOARD_LAYERS} layers on "
         f"{LEADERBOARD_GPUS} {unit} − the same stack's one-GPU step extrapolated to {LEADERBOARD_LAYERS} layers "
         "(intercept + slope × layers, the one-GPU table's fit; an extrapolation, not a measurement)."
-        f"{caveat}\n\n{text_md(table)}"
+        f"{caveat}\n\n{text_md(table)}" + (f"\n\n{equal_clock_text(clocked, unit)}" if len(clocked) else "")
+    )
+
+
+def equal_clock_text(clocked: pd.DataFrame, unit: str) -> str:
+    """How much of each overhead is the lower clock of the sharded run: its step scaled to the one-GPU runs' clock
+    (an estimate), and the overhead left at equal clocks."""
+    parts = []
+    for _, row in clocked.iterrows():
+        scaled = row["sharded_s"] * row["sharded_clock"] / row["one_gpu_clock"]
+        parts.append(
+            f"{LABEL.get(row['stack'], row['stack'])} ran at {row['sharded_clock']:,.0f} MHz on {LEADERBOARD_GPUS} "
+            f"{unit} against {row['one_gpu_clock']:,.0f} MHz alone: at the one-GPU clock its step would take "
+            f"{scaled:.2f} s, an overhead of {signed(scaled - row['one_gpu_s'], '.2f')} s"
+        )
+    return (
+        "**The clock's share.** "
+        + "; ".join(parts)
+        + " (an estimate, not a measurement: step × sharded clock ÷ one-GPU clock, as if every kernel were bound by "
+        "the SM clock; memory-bound ones are not)."
     )
 
 
