@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems.accounting.units import MIB
-from cs336_systems.measure.gpu_telemetry import GpuTelemetry
+from cs336_systems.measure.gpu_telemetry import SUMMARY_KEYS, GpuTelemetry
 from cs336_systems.measure.timing import or_oom, sync, time_steps
 from cs336_systems.parallel.fsdp import FullyShardedDataParallel
 from cs336_systems.training.stacks import (
@@ -308,6 +308,7 @@ def fit_rows(cells: list[dict], extrapolate_layers: int, peak: float | None) -> 
                 "gather_wait_ms": float("nan"),
                 "sync_wait_ms": float("nan"),
                 **dict.fromkeys(CLOCK, float("nan")),
+                **dict.fromkeys(SUMMARY_KEYS, float("nan")),  # no GPU ran the extrapolation
                 "model_tflop": flops / 1e12,
                 "mfu": flops / (step_ms / 1e3) / (world * peak * 1e12) if peak else float("nan"),
                 "status": "extrapolated",
