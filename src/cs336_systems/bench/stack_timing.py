@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems.accounting.units import MIB
-from cs336_systems.measure.gpu_telemetry import SUMMARY_KEYS, GpuTelemetry
+from cs336_systems.measure.gpu_telemetry import GpuTelemetry
 from cs336_systems.measure.timing import or_oom, sync, time_steps
 from cs336_systems.parallel.fsdp import FullyShardedDataParallel
 from cs336_systems.training.stacks import (
@@ -31,8 +31,6 @@ from cs336_systems.training.stacks import (
 )
 from cs336_systems.training.workload import TrainingStep
 
-# A cell's clock (seconds): building the model and optimizer, the first step, the CLI's start to the timing's end.
-CLOCK = ("build_s", "first_step_s", "elapsed_s")
 # A cell's allocator peaks (MiB), each from a reset of the peak statistics at its start: the model's build (model,
 # sharding, optimizer), the first step (compilation, autotuning, the optimizer state's creation) and the steps after
 # it (the warm-up and timed steps; on one GPU every call of do_bench, its 256 MB L2-flush buffer included): the
@@ -241,6 +239,12 @@ def head_chunk_of(stack: str, args: argparse.Namespace) -> int | None:
     return args.head_chunk.get(STACKS[stack].head)
 
 
+# What a cell's row says of its configuration; the rest of it is measured. A fit row keeps only these of its cells'.
+CONFIG_KEYS = ("stack", "attention", "rope", "head", "head_chunk", "checkpoint", "compiled", "optimizer", "sharding",
+               "world_size", "d_model", "d_ff", "num_heads", "vocab_size", "context_length", "batch_size", "dtype",
+               "weights")  # fmt: skip
+
+
 def cell_row(stack: str, num_layers: int, args: argparse.Namespace, device: torch.device, result) -> dict:
     s = STACKS[stack]
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -297,18 +301,13 @@ def fit_rows(cells: list[dict], extrapolate_layers: int, peak: float | None) -> 
         flops = model_flops(first, extrapolate_layers, first["context_length"], first["batch_size"] * world)
         step_ms = intercept + slope * extrapolate_layers
         rows.append(
-            first
+            {key: first[key] for key in CONFIG_KEYS}  # none of the cells' measurements: no GPU ran this
             | {
                 "kind": "fit",
                 "num_layers": extrapolate_layers,
                 "per_layer_ms": slope,
                 "intercept_ms": intercept,
                 "step_ms": step_ms,
-                **dict.fromkeys(PEAKS, float("nan")),
-                "gather_wait_ms": float("nan"),
-                "sync_wait_ms": float("nan"),
-                **dict.fromkeys(CLOCK, float("nan")),
-                **dict.fromkeys(SUMMARY_KEYS, float("nan")),  # no GPU ran the extrapolation
                 "model_tflop": flops / 1e12,
                 "mfu": flops / (step_ms / 1e3) / (world * peak * 1e12) if peak else float("nan"),
                 "status": "extrapolated",
