@@ -161,14 +161,13 @@ def measure(
         }
     largest = {**peaks, **kept, **events, **clock, **waits}
     gpu = telemetry.summary()
-    if (
-        dist.is_initialized()
-    ):  # the largest rank's; the clock and power the ranks' mean, the hottest rank's temperature
+    if dist.is_initialized():
+        # the largest rank's; the GPUs' clock and power the ranks' mean, the temperature the hottest rank's
         by_rank = gather_to_all(list(largest.values()))
         largest = dict(zip(largest, map(max, zip(*by_rank, strict=True)), strict=True))
         by_rank = list(zip(*gather_to_all(list(gpu.values())), strict=True))
         gpu = {
-            key: (max if key == "temperature_c" else np.mean)(values)
+            key: float((np.max if key == "temperature_c" else np.mean)(values))
             for key, values in zip(gpu, by_rank, strict=True)
         }
     return {
