@@ -557,6 +557,7 @@ def shown_columns(cells: pd.DataFrame, columns: dict) -> dict:
 
 
 def formatted(cell: pd.Series, column: str, fmt: str) -> str:
+    """A cell's value of `column` by `fmt`; a dash where the cell did not run or has none."""
     value = cell.get(column)
     return fmt.format(value) if cell["status"] == "ok" and pd.notna(value) else "—"
 
@@ -1072,7 +1073,7 @@ def seconds(ms: float) -> str:
 
 
 def count(cell: pd.Series, column: str) -> str:
-    return f"{cell[column]:,.0f}" if cell["status"] == "ok" and pd.notna(cell.get(column)) else "—"
+    return formatted(cell, column, "{:,.0f}")
 
 
 def wait(cell: pd.Series, column: str) -> str:
