@@ -827,6 +827,31 @@ def test_the_clock_each_step_ran_at_and_its_share_of_the_overhead(tmp_path, monk
     assert "an estimate, not a measurement" in text
 
 
+def test_no_clock_share_from_a_one_gpu_fit_on_another_gpu(tmp_path, monkeypatch):
+    # ours' one-GPU runs on another GPU of the same kind: the overhead is shown (with that GPU named), the clock's
+    # share is not estimated for it (one GPU's clock says nothing of another's); the native stack's still is
+    for stack, uuid in (("native", None), ("ours", "f" * 36)):
+        cells = [{"kind": "cell", "stack": stack, "num_layers": n, "world_size": 1, "step_ms": 400.0 + 120 * n,
+                  "peak_mib": NAN, "status": "ok", "sm_clock_mhz": 1600.0, "power_w": 690.0} for n in (2, 4, 8)]  # fmt: skip
+        fit = {"kind": "fit", "stack": stack, "num_layers": 34, "world_size": 1, "step_ms": 4480.0,
+               "per_layer_ms": 120.0, "intercept_ms": 400.0, "peak_mib": NAN, "status": "extrapolated"}  # fmt: skip
+        path = tmp_path / f"results/train_step/{stack}.csv"
+        write_rows(pd.DataFrame([*cells, fit]), path, {"stacks": [stack]})
+        if uuid:
+            meta = json.loads(path.with_suffix(".json").read_text())
+            meta["provenance"]["device_uuid"] = uuid
+            path.with_suffix(".json").write_text(json.dumps(meta))
+    rows = [cell("native_fsdp", 4690.0, 120 * 1024) | {"sm_clock_mhz": 1550.0, "power_w": 688.0},
+            cell("ours_fsdp", 4350.0, 120 * 1024) | {"sm_clock_mhz": 1550.0, "power_w": 691.0}]  # fmt: skip
+    text = sharded(tmp_path, rows)
+    assert "What sharding costs" in text and "on GPU ffffffff" in text
+    assert re.search(r"under FSDP2 \([^)]*\) ran at 1,550 MHz on 2 .* against 1,600 MHz alone", text)
+    assert not re.search(r"ours under our FSDP \([^)]*\) ran at", text)
+    assert re.search(
+        r"Not estimated for ours under our FSDP \([^)]*\): the one-GPU fit ran on another GPU", text
+    )
+
+
 def test_the_one_gpu_table_shows_the_clock_where_it_was_read(tmp_path):
     rows = [{"kind": "cell", "stack": "ours", "num_layers": 2, "world_size": 1, "step_ms": 437.2, "peak_mib": NAN,
              "mfu": NAN, "status": "ok", "sm_clock_mhz": 1612.4, "power_w": 689.6},

@@ -1161,26 +1161,37 @@ def overhead_text(overheads: pd.DataFrame, unit: str) -> str:
         f"**What sharding costs.** Sharding overhead = the step at {LEADERBOARD_LAYERS} layers on "
         f"{LEADERBOARD_GPUS} {unit} − the same stack's one-GPU step extrapolated to {LEADERBOARD_LAYERS} layers "
         "(intercept + slope × layers, the one-GPU table's fit; an extrapolation, not a measurement)."
-        f"{caveat}\n\n{text_md(table)}" + (f"\n\n{equal_clock_text(clocked, unit)}" if len(clocked) else "")
+        f"{caveat}\n\n{text_md(table)}"
+        + (f"\n\n{clock_share}" if (clock_share := equal_clock_text(clocked, unit)) else "")
     )
 
 
 def equal_clock_text(clocked: pd.DataFrame, unit: str) -> str:
     """How much of each overhead is the lower clock of the sharded run: its step scaled to the one-GPU runs' clock
-    (an estimate), and the overhead left at equal clocks."""
+    (an estimate), and the overhead left at equal clocks; only for stacks whose one-GPU fit ran on the sharded
+    run's GPU at its commit (another GPU's clock says nothing of this one's), or nothing where none did."""
+    same = clocked[clocked["sharded_commit"] == clocked["one_gpu_commit"]]
+    if same.empty:
+        return ""
     parts = []
-    for _, row in clocked.iterrows():
+    for _, row in same.iterrows():
         scaled = row["sharded_s"] * row["sharded_clock"] / row["one_gpu_clock"]
         parts.append(
             f"{LABEL.get(row['stack'], row['stack'])} ran at {row['sharded_clock']:,.0f} MHz on {LEADERBOARD_GPUS} "
             f"{unit} against {row['one_gpu_clock']:,.0f} MHz alone: at the one-GPU clock its step would take "
             f"{scaled:.2f} s, an overhead of {signed(scaled - row['one_gpu_s'], '.2f')} s"
         )
+    others = [LABEL.get(s, s) for s in clocked["stack"] if s not in set(same["stack"])]
     return (
         "**The clock's share.** "
         + "; ".join(parts)
         + " (an estimate, not a measurement: step × sharded clock ÷ one-GPU clock, as if every kernel were bound by "
         "the SM clock; memory-bound ones are not)."
+        + (
+            f" Not estimated for {', '.join(others)}: the one-GPU fit ran on another GPU or at another commit."
+            if others
+            else ""
+        )
     )
 
 
