@@ -39,10 +39,11 @@ CASES_AT = {
     2: [
         *("equality", "frozen", "compute_dtype", "prefetch", "transformer", "tied", "anomaly"),
         *("units", "partly_used", "bf16", "meta", "protocol", "protocol_low_precision", "exact_transformer"),
-        *("lifetime", "gloo_alone", "exact_averaging"),
+        *("lifetime", "gloo_alone", "exact_averaging", "without_weights"),
     ],
     3: [
         *("equality", "frozen", "units", "partly_used", "bf16", "meta", "protocol", "protocol_low_precision"),
+        "without_weights",
         *("exact_transformer", "torch_nn_bf16", "exact_refusals"),
     ],
     4: ["equality", "frozen", "protocol", "protocol_low_precision", "exact_transformer", "exact_averaging"],
@@ -110,6 +111,11 @@ def test_compute_dtype_prefetch_rule_our_transformer_tied_weights_and_anomaly_mo
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_block_units_a_partly_used_unit_and_bf16_weights(launched, world_size: int):
     assert_cases_pass(launched(world_size), world_size, "units", "partly_used", "bf16")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_unit_whose_backward_reads_no_weights_is_gathered_for_its_forward_only(launched, world_size: int):
+    assert_cases_pass(launched(world_size), world_size, "without_weights")
 
 
 def test_grouped_collectives_hold_their_tensors_until_waited_and_go_alone_on_gloo(launched):

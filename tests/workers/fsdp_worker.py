@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 import os
 import sys
 import warnings
@@ -168,6 +169,7 @@ def train_against_reference(
     freeze: str | None = None,
     steps: int = 3,
     exact: bool = False,
+    without_weights: tuple[str, ...] = (),
 ) -> None:
     """fp32 training equals single-process training: up to the order of additions in the usual mode, to the bit
     in exact mode where each rank's share of the mean loss is exact (a power-of-two world; else see
@@ -178,7 +180,8 @@ def train_against_reference(
         model.get_submodule(freeze).weight.requires_grad_(False)
     reference = copy.deepcopy(model)
     frozen_before = model.get_submodule(freeze).weight.detach().clone() if freeze else None
-    fsdp = FullyShardedDataParallel(model, exact=exact)
+    unread = [model.get_submodule(name) for name in without_weights]
+    fsdp = FullyShardedDataParallel(model, exact=exact, backward_without_weights=unread)
     bitwise = exact and power_of_two(dist.get_world_size())
     optimizer = OPTIMIZERS[optimizer_name](fsdp.parameters())
     reference_optimizer = OPTIMIZERS[optimizer_name]([p for p in reference.parameters() if p.requires_grad])
@@ -326,6 +329,44 @@ def prefetch_rule() -> None:
     stats = record.stats()
     split = stats["gather_wait_forward_s"] + stats["gather_wait_backward_s"]
     assert stats["gather_wait_s"] == split and min(stats.values()) >= 0, stats
+
+
+def backward_without_weights() -> None:
+    """A unit whose backward reads no weights (the embedding: its gradient comes from the ids) is gathered for the
+    forward only: training equals single-process training, its weight is never gathered in the backward (the other
+    units' prefetch rule unchanged), and a step all-gathers its bytes once, not twice. What is no unit, and exact
+    mode, are refused."""
+    train_against_reference("adamw", without_weights=("embed",))
+    torch.manual_seed(0)
+    (_, _), (my_ids, my_targets) = next(batches(1, dist.get_world_size()))
+    moved = {}
+    for unread in ((), ("embed",)):
+        model = ToyLM()
+        fsdp = FullyShardedDataParallel(
+            model, backward_without_weights=[model.get_submodule(n) for n in unread]
+        )
+        for _ in range(2):
+            forward, backward = recorded_step(fsdp, my_ids, my_targets)
+        embed = next(u for u, (module, _) in enumerate(fsdp.units) if module is model.embed)
+        assert ("gather", embed) in forward and (("gather", embed) in backward) == (not unread), backward
+        assert sorted(i for kind, i in backward if kind == "gather") == sorted(
+            set(fsdp.order) - {embed} if unread else fsdp.order
+        )
+        fsdp.measure_communication = True
+        loss_fn(fsdp(my_ids), my_targets).backward()
+        fsdp.finish_gradient_synchronization()
+        moved[unread] = fsdp.last_communication.bytes_moved["bytes_all_gathered"]
+    world = dist.get_world_size()
+    embed_bytes = (world - 1) * math.ceil(VOCAB * D / world) * 4
+    assert moved[()] - moved[("embed",)] == embed_bytes, (moved, embed_bytes)
+    model = ToyLM()
+    for unread, exact, match in ((model.norm1, False, "not units"), (model.embed, True, "exact mode")):
+        try:
+            FullyShardedDataParallel(model, exact=exact, backward_without_weights=[unread])
+        except ValueError as error:
+            assert "backward_without_weights" in str(error) and match in str(error), error
+        else:
+            raise AssertionError(f"backward_without_weights={unread} with exact={exact} was accepted")
 
 
 def block_units(exact: bool = False) -> None:
@@ -765,6 +806,7 @@ CASES = {
     "frozen": lambda: train_against_reference("adamw", freeze="down"),
     "compute_dtype": lambda: (compute_dtype(torch.float16, 1e-4), compute_dtype(torch.bfloat16, 1e-3)),
     "prefetch": prefetch_rule,
+    "without_weights": backward_without_weights,
     "units": block_units,
     "partly_used": partly_used_unit,
     "bf16": bf16_weights,

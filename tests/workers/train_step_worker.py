@@ -70,6 +70,16 @@ def main(stack_name: str, compiled: bool, initial_only: bool) -> None:
         ]
         whole.batch = torch.cat(ids)[:, :-1], torch.cat(ids)[:, 1:]
         check_initial_values(stack_name, sharded.model, whole.model)
+        if isinstance(
+            sharded.model, FullyShardedDataParallel
+        ):  # never gathered for the backward: they read none
+            skipped = {
+                type(sharded.model.units[u][0]).__name__ for u in sharded.model._not_gathered_for_backward
+            }
+            expected = {"Embedding", *(["LossHead"] if stack.head == "fused" else [])}
+            assert skipped == expected, (
+                f"{stack_name}: {skipped} not gathered for the backward, not {expected}"
+            )
         for step in range(0 if initial_only else 2):
             loss = sharded.train_step()
             dist.all_reduce(loss)

@@ -39,7 +39,12 @@ freed once its gradient has accumulated; once the unit's last gradient is there,
 reduce-scattered (in the shards' dtype) to their owners asynchronously;
 `finish_gradient_synchronization` waits for the outstanding reductions and writes each shard's `.grad` (the
 average over ranks), so any torch.optim optimizer steps only its shard. The replicated parameters' gradients,
-small, are averaged there in one all-reduce.
+small, are averaged there in one all-reduce. `backward_without_weights` names units whose backward reads none of
+their weights (an embedding's gradient comes from the token ids alone; a head that made its gradients in the
+forward, as the fused LM head + loss does): they are never gathered for the backward, only for a forward
+(a recomputation under activation checkpointing included). For the 2026 leaderboard's embedding and fused head
+(1,187 MiB each in bf16) that is two all-gathers a step fewer, one of them the backward's first, which nothing
+hides.
 
 **Mixed precision.** With `compute_dtype`, each unit's floating-point inputs and its replicated parameters
 (biases; norms inside a unit) are cast to it around the unit's forward, as FSDP2's MixedPrecisionPolicy does, so
@@ -282,6 +287,7 @@ class FullyShardedDataParallel(nn.Module):
         exact: bool = False,
         gradient_divide_factor: float | None = None,
         device: torch.device | None = None,
+        backward_without_weights: Iterable[nn.Module] = (),
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -319,6 +325,7 @@ class FullyShardedDataParallel(nn.Module):
             _broadcast_from_rank0(module)
 
         unit_of = self._unit_modules(module, list(units))
+        unread = self._checked_backward_without_weights(module, unit_of, list(backward_without_weights))
         self.weights: list[_ShardedWeight] = []
         # unit module -> indices into self.weights; by default each sharded layer is its own unit
         grouped: dict[nn.Module, list[int]] = {}
@@ -341,6 +348,7 @@ class FullyShardedDataParallel(nn.Module):
         self._weight_of = {id(w.layer): w for w in self.weights}
         _materialise(module, device)  # the rest of a meta module: replicated parameters (norms), buffers
         self.units: list[tuple[nn.Module, list[int]]] = list(grouped.items())
+        self._not_gathered_for_backward = {u for u, (m, _) in enumerate(self.units) if id(m) in unread}
         sharded = {id(w.shard) for w in self.weights}
         self.replicated = [p for p in module.parameters() if p.requires_grad and id(p) not in sharded]
         # per unit, the trainable replicated parameters inside it (biases; norms inside a block): (owner, name, p)
@@ -387,6 +395,26 @@ class FullyShardedDataParallel(nn.Module):
             replicated.register_forward_hook(_hook(this, "_after_replicated_forward"))
         for index, weight in enumerate(self.weights):
             weight.full.register_post_accumulate_grad_hook(_hook(this, "_gradient_ready", index))
+
+    def _checked_backward_without_weights(
+        self, module: nn.Module, unit_of: dict[nn.Module, nn.Module], modules: list[nn.Module]
+    ) -> set[int]:
+        """The ids of `backward_without_weights`'s modules, checked before anything is sharded: each must be a unit
+        (a module of `units`, or a sharded layer outside them), and exact mode, whose backward runs each unit's
+        forward again, takes none."""
+        units = {id(unit) for unit in unit_of.values()}
+        units |= {id(m) for m in module.modules() if is_sharded_layer(m) and m not in unit_of}
+        strangers = [type(m).__name__ for m in modules if id(m) not in units]
+        if strangers:
+            raise ValueError(
+                f"backward_without_weights: {strangers} are not units (a module of `units`, or a sharded "
+                "layer outside them)"
+            )
+        if modules and self.exact:
+            raise ValueError(
+                "backward_without_weights: exact mode runs each unit's forward again in its backward"
+            )
+        return {id(m) for m in modules}
 
     @staticmethod
     def _unit_modules(module: nn.Module, units: list[nn.Module]) -> dict[nn.Module, nn.Module]:
@@ -442,10 +470,11 @@ class FullyShardedDataParallel(nn.Module):
             return None
         return self.order[position] if self.order else position
 
-    def _gather(self, unit: int | None) -> None:
+    def _gather(self, unit: int | None, for_backward: bool = False) -> None:
         """Start gathering the unit's weights that are not gathered: one all-gather group per unit (as FSDP2
-        issues one all-gather per unit, here without copying the weights into one buffer and out again)."""
-        if unit is None:
+        issues one all-gather per unit, here without copying the weights into one buffer and out again); for the
+        backward, none of a unit whose backward reads no weights."""
+        if unit is None or (for_backward and unit in self._not_gathered_for_backward):
             return
         weights = [self.weights[index] for index in self.units[unit][1]]
         weights = [weight for weight in weights if weight.prepare_gather()]
@@ -461,8 +490,8 @@ class FullyShardedDataParallel(nn.Module):
         if self.record_events:
             self.events.append(("gather", unit))
 
-    def _wait_gathered(self, unit: int) -> None:
-        self._gather(unit)
+    def _wait_gathered(self, unit: int, for_backward: bool = False) -> None:
+        self._gather(unit, for_backward)
         pending, self._gathers[unit] = self._gathers[unit], []
         if not pending:
             return
@@ -628,9 +657,9 @@ class FullyShardedDataParallel(nn.Module):
         self._in_backward = True
         if self._neighbour(unit, 1) is None:  # the backward's first unit: prefetch as the forward does
             for behind in range(1, self.prefetch_distance):
-                self._gather(self._neighbour(unit, -behind))
+                self._gather(self._neighbour(unit, -behind), for_backward=True)
         self._grads_pending[unit] = len(self.units[unit][1])
-        self._wait_gathered(unit)
+        self._wait_gathered(unit, for_backward=True)
 
     def _exact_backward(self, call: _ExactCall, grad: torch.Tensor) -> list[torch.Tensor | None]:
         """An exact call's backward: its forward and backward again over the whole batch (with every rank's
@@ -683,7 +712,7 @@ class FullyShardedDataParallel(nn.Module):
         """Every weight gradient of the unit is there: prefetch, before its reductions queue."""
         if self.record_events:
             self.events.append(("backward_done", unit))
-        self._gather(self._neighbour(unit, -self.prefetch_distance))
+        self._gather(self._neighbour(unit, -self.prefetch_distance), for_backward=True)
 
     def _gradient_ready(self, index: int, full: torch.Tensor) -> None:
         weight = self.weights[index]

@@ -163,6 +163,12 @@ class LossHead(nn.Module):
         super().__init__()
         self.lm_head, self.kind, self.chunk = lm_head, kind, chunk
 
+    @property
+    def reads_weight_in_backward(self) -> bool:
+        """Whether the backward reads the LM head's weight: not the fused kernel's, which made its gradients in the
+        forward (a sharded stack need not gather the weight again)."""
+        return self.kind != "fused"
+
     def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from cs336_systems.kernels.fused_cross_entropy import fused_linear_cross_entropy
 
@@ -281,7 +287,9 @@ def shard(model: LossModel, sharding: str, device: torch.device) -> nn.Module:
         )
     units = [*model.lm.blocks, model.head]
     if sharding == "ours":
-        return FullyShardedDataParallel(model, units=units, device=device)
+        # the embedding's gradient comes from the token ids, not its weight; the fused head's from its forward
+        unread = [model.lm.embedding, *([] if model.head.reads_weight_in_backward else [model.head])]
+        return FullyShardedDataParallel(model, units=units, device=device, backward_without_weights=unread)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
