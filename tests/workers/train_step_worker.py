@@ -70,9 +70,8 @@ def main(stack_name: str, compiled: bool, initial_only: bool) -> None:
         ]
         whole.batch = torch.cat(ids)[:, :-1], torch.cat(ids)[:, 1:]
         check_initial_values(stack_name, sharded.model, whole.model)
-        if isinstance(
-            sharded.model, FullyShardedDataParallel
-        ):  # never gathered for the backward: they read none
+        # the units our FSDP never gathers for the backward: those whose backward reads no weights
+        if isinstance(sharded.model, FullyShardedDataParallel):
             skipped = {
                 type(sharded.model.units[u][0]).__name__ for u in sharded.model._not_gathered_for_backward
             }
