@@ -1170,7 +1170,8 @@ def equal_clock_text(clocked: pd.DataFrame, unit: str) -> str:
     """How much of each overhead is the lower clock of the sharded run: its step scaled to the one-GPU runs' clock
     (an estimate), and the overhead left at equal clocks; only for stacks whose one-GPU fit ran on the sharded
     run's GPU at its commit (another GPU's clock says nothing of this one's), or nothing where none did."""
-    same = clocked[clocked["sharded_commit"] == clocked["one_gpu_commit"]]
+    same_run = clocked["sharded_commit"] == clocked["one_gpu_commit"]
+    same = clocked[same_run]
     if same.empty:
         return ""
     parts = []
@@ -1181,7 +1182,7 @@ def equal_clock_text(clocked: pd.DataFrame, unit: str) -> str:
             f"{unit} against {row['one_gpu_clock']:,.0f} MHz alone: at the one-GPU clock its step would take "
             f"{scaled:.2f} s, an overhead of {signed(scaled - row['one_gpu_s'], '.2f')} s"
         )
-    others = [LABEL.get(s, s) for s in clocked["stack"] if s not in set(same["stack"])]
+    others = [LABEL.get(s, s) for s in clocked.loc[~same_run, "stack"]]
     return (
         "**The clock's share.** "
         + "; ".join(parts)
