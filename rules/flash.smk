@@ -118,6 +118,7 @@ rule flash_goals:
         impls=listed(GOALS["impls"]),
         warmup_ms=GOALS["warmup_ms"],
         rep_ms=GOALS["rep_ms"],
+        rounds=GOALS["rounds"],
         gpus_ok=lambda w: gpus_ok(GPU_JOB, f"{RESULTS}/flash_goals/{w.shape}.csv"),
     threads: NEEDS["model"].threads
     resources:
@@ -129,7 +130,8 @@ rule flash_goals:
     shell:
         "pin_gpus {resources.gpu}; "
         "python -m cs336_systems.experiments.flash_benchmark {params.shape} --dtypes bfloat16 --causal "
-        "--impls {params.impls} --warmup-ms {params.warmup_ms} --rep-ms {params.rep_ms} --out {output.csv} 2> {log}"
+        "--impls {params.impls} --warmup-ms {params.warmup_ms} --rep-ms {params.rep_ms} --rounds {params.rounds} "
+        "--out {output.csv} 2> {log}"
 
 
 # The short-sequence goal's measure: at the spec grid's cells (batch 1, one head, causal, d 64) do_bench times the

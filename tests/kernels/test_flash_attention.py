@@ -385,6 +385,41 @@ def test_flash_benchmark_cell_runs_every_pass_on_cpu(monkeypatch):
     }  # fmt: skip
 
 
+def test_flash_benchmark_rounds_interleave_the_implementations(monkeypatch):
+    # --rounds 3: every implementation timed once per round, their order reversed every other round.
+    import triton.testing
+
+    from cs336_systems.experiments import flash_benchmark
+
+    called, timed = [], []
+    real_attention = flash_benchmark.bench.attention
+
+    def attention(impl, *args, **kwargs):
+        attend = real_attention(impl, *args, **kwargs)
+
+        def tagged(q, k, v):
+            called.append(impl)
+            return attend(q, k, v)
+
+        return tagged
+
+    def recording_do_bench(fn, **kwargs):
+        called.clear()
+        ms = fake_do_bench(fn, **kwargs)
+        timed.append(set(called))
+        return ms
+
+    monkeypatch.setattr(triton.testing, "do_bench", recording_do_bench)
+    monkeypatch.setattr(flash_benchmark.bench, "attention", attention)
+    argv = ["--seq-lens", "24", "--d-heads", "16", "--dtypes", "float32", "--impls", "pytorch_naive", "sdpa"]
+    args = flash_benchmark.parse_args([*argv, "--passes", "forward", "--rounds", "3", "--out", "x"])
+    rows = pd.DataFrame(flash_benchmark.run_cell(args, "float32", 16, 24, torch.device("cpu")))
+    order = ["pytorch_naive", "sdpa", "sdpa", "pytorch_naive", "pytorch_naive", "sdpa"]
+    assert list(rows["round"]) == [0, 0, 1, 1, 2, 2] and list(rows["impl"]) == order
+    assert timed == [{impl} for impl in order]  # what each measurement ran is what its row names
+    assert set(rows["status"]) == {"ok"} and rows["first_call_s"].notna().all()
+
+
 @launches_kernels
 def test_flash_benchmark_many_heads_not_causal_batch_from_tokens(monkeypatch):
     # The grid against PyTorch's attention: heads, batch = tokens / seq_len, no mask; FLOPs of the full square.

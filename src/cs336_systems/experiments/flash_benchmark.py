@@ -12,7 +12,10 @@ backward and forward + backward, all in one run:
 - `flex`: FlexAttention (a causal block mask or none), compiled;
 - `sdpa`: `torch.nn.functional.scaled_dot_product_attention` with PyTorch's own backend choice, and `sdpa_flash`,
   `sdpa_cudnn` pinned to one backend.
-One row per (impl, dtype, seq_len, d_head, pass) with `tier` (the kernel tier ours ran, `flash_tiers`; "pytorch"
+With `--rounds R` every implementation is timed R times per cell, the implementations' order reversed every
+other round, so that neither always runs on a GPU the other has just heated (under the power cap its clock
+follows): one row per round, `round` 0..R-1, and a reader takes the median over rounds.
+One row per (impl, dtype, seq_len, d_head, pass[, round]) with `tier` (the kernel tier ours ran, `flash_tiers`; "pytorch"
 for PyTorch's), `ms`, `tflops` (FLOP convention in the sidecar) and `status` (ok / OOM / error), plus
 `max_abs_diff_vs_sdpa`, the largest difference of the implementation's output from SDPA's in that cell, and
 `first_call_s`, the implementation's first forward + backward in that cell (synchronised): where the cell needs
@@ -93,6 +96,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     bench.add_do_bench_args(p, warmup_ms=25, rep_ms=100, note=" per measurement")
     p.add_argument(
+        "--rounds",
+        type=cli.positive_int,
+        default=1,
+        help="times each implementation is timed per cell, interleaved (the order reversed every other round)",
+    )
+    p.add_argument(
         "--host-overhead",
         action="store_true",
         help="measure the host time per call instead of the GPU time (see above)",
@@ -156,40 +165,51 @@ def run_cell(args: argparse.Namespace, dtype_name: str, d_head: int, seq_len: in
     with torch.no_grad():
         expected = bench.sdpa_attention(causal=args.causal)(q, k, v)
     flops = bench.forward_flops(seq_len, d_head, args.heads, args.causal) * columns["batch_size"]
-    rows = []
-    for impl in args.impls:
+    rows, ready = [], {}
+    for impl in args.impls:  # each implementation's first call (compiling, autotuning) and check, once
         base = {"impl": impl, "tier": None, **columns}
         try:
             base["tier"] = bench.tier(impl, q, args.causal)
             attend = bench.attention(impl, seq_len, device, args.causal)
             setup = {"first_call_s": first_call_seconds(attend, q, k, v, do)}
             setup["max_abs_diff_vs_sdpa"] = bench.max_abs_diff(attend, q, k, v, expected)
+            ready[impl] = (base, attend, setup)
         except Exception as exc:  # noqa: BLE001 - a failing cell becomes a row, the sweep goes on
             failed = bench.failure(exc, "flash")
             rows += [{**base, "pass": p, **failed, "max_abs_diff_vs_sdpa": None} for p in args.passes]
+        finally:
             attend = None
             free_memory()
-            continue
-        for pass_name in args.passes:
-            bench.log("flash", f"{impl} {dtype_name} {tuple(shape)} causal={args.causal} {pass_name} ...")
-            try:
-                step = bench.pass_step(attend, pass_name, q, k, v, do)
-                ms = do_bench(
-                    step, warmup=args.warmup_ms, rep=args.rep_ms, grad_to_none=[q, k, v], return_mode="median"
-                )
-                tflops = flops * bench.PASS_FLOP_FACTOR[pass_name] / (ms * 1e-3) / 1e12
-                result = {"ms": ms, "tflops": tflops, "status": "ok", "error": None}
-            except Exception as exc:  # noqa: BLE001
-                result = bench.failure(exc, "flash")
-            finally:
-                step = None
-                for t in (q, k, v):
-                    t.grad = None
-                free_memory()
-            rows.append({**base, "pass": pass_name, **result, **setup})
-        attend = None
-        free_memory()
+    for round_ in range(args.rounds):
+        for impl in round_order(list(ready), round_):
+            base, attend, setup = ready[impl]
+            for pass_name in args.passes:
+                bench.log("flash", f"{impl} {dtype_name} {tuple(shape)} causal={args.causal} {pass_name} ...")
+                try:
+                    step = bench.pass_step(attend, pass_name, q, k, v, do)
+                    ms = do_bench(
+                        step,
+                        warmup=args.warmup_ms,
+                        rep=args.rep_ms,
+                        grad_to_none=[q, k, v],
+                        return_mode="median",
+                    )
+                    tflops = flops * bench.PASS_FLOP_FACTOR[pass_name] / (ms * 1e-3) / 1e12
+                    result = {"ms": ms, "tflops": tflops, "status": "ok", "error": None}
+                except Exception as exc:  # noqa: BLE001
+                    result = bench.failure(exc, "flash")
+                finally:
+                    step = None
+                    for t in (q, k, v):
+                        t.grad = None
+                    free_memory()
+                rows.append({**base, "pass": pass_name, "round": round_, **result, **setup})
     return rows
+
+
+def round_order(impls: list[str], round_: int) -> list[str]:
+    """The implementations in their given order in even rounds, reversed in odd ones."""
+    return impls if round_ % 2 == 0 else impls[::-1]
 
 
 def check_cell(args: argparse.Namespace, dtype_name: str, d_head: int, seq_len: int) -> list[dict]:
