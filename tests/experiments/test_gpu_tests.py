@@ -93,6 +93,21 @@ def test_the_writeup_names_timings_from_other_commits(tmp_path):
     )
     (results / "flash_peers/old.csv").unlink()
     assert "Timings below" not in flash_peers.gpu_tests(Context("gpu", results, tmp_path))
+    # the goal shapes' timings count too, named by shape; a table checked in the interpreter times nothing
+    (results / "flash_goals").mkdir()
+    shape = {"batch_size": 1, "heads": 32, "seq_len": 32768, "d_head": 128, "impl": "triton", "ms": 1.0}
+    for name, commit, extra in (("1x32x32768x128", "later", {}), ("1x2x64x16", "cpu", {"interpreted": True})):
+        pd.DataFrame([{**shape, **extra}]).to_csv(results / f"flash_goals/{name}.csv", index=False)
+        provenance = {"device_name": "NVIDIA H200", "device_count": 1, "torch": "2.11", "git_commit": commit,
+                      "timestamp": "t"}  # fmt: skip
+        (results / f"flash_goals/{name}.json").write_text(
+            json.dumps({"provenance": provenance, "params": {}})
+        )
+    assert (
+        "Timings below measured at another commit than the one tested here (each times the kernels of its own "
+        "commit): the goal shape 1×32×32,768×128 at later."
+        in flash_peers.gpu_tests(Context("gpu", results, tmp_path))
+    )
 
 
 def test_the_fsdp_section_shows_its_gpu_tests_and_why_one_was_skipped(tmp_path):

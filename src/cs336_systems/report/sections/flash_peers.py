@@ -68,22 +68,16 @@ def gpu_tests(ctx: Context) -> str:
 
 
 def timed_elsewhere(ctx: Context, tested: list[dict]) -> str:
-    """A sentence naming the tables of the timings below measured at another commit than the tests' (each timing
-    times the kernels of its own commit), by commit; nothing when they agree or there are no timings."""
-    timed = ctx.table("flash_peers")
-    if timed is None:
-        return ""
+    """A sentence naming the tables of the timings below (flash_peers', and the goal shapes' of flash_goals)
+    measured at another commit than the tests' (each timing times the kernels of its own commit), by commit; nothing
+    when they agree or there are no timings."""
     tested_at = {commit_text(m["provenance"]) for m in tested}
     elsewhere: dict[str, list[str]] = {}
-    for meta in timed[1]:
-        if (commit := commit_text(meta["provenance"])) not in tested_at:
-            params = meta.get("params", {})
-            table = (
-                f"{mask(params['causal'])} d {'/'.join(map(str, params['d_heads']))}"
-                if {"causal", "d_heads"} <= params.keys()
-                else "a table"
-            )
-            elsewhere.setdefault(commit, []).append(table)
+    for deliverable in ("flash_peers", "flash_goals"):
+        for frame, meta in ctx.tables(deliverable):
+            if interpreted(frame) or (commit := commit_text(meta["provenance"])) in tested_at:
+                continue
+            elsewhere.setdefault(commit, []).append(table_name(deliverable, frame, meta.get("params", {})))
     if not elsewhere:
         return ""
     which = "; ".join(f"{', '.join(tables)} at {commit}" for commit, tables in sorted(elsewhere.items()))
@@ -91,6 +85,17 @@ def timed_elsewhere(ctx: Context, tested: list[dict]) -> str:
         f" Timings below measured at another commit than the one tested here (each times the kernels of its own "
         f"commit): {which}."
     )
+
+
+def table_name(deliverable: str, frame: pd.DataFrame, params: dict) -> str:
+    """How the note above names a timed table: flash_peers' by mask and head dims, flash_goals' by its shape."""
+    if deliverable == "flash_goals" and not frame.empty:
+        row = frame.iloc[0]
+        shape = tuple(int(row[c]) for c in ("batch_size", "heads", "seq_len", "d_head"))
+        return f"the goal shape {flash_goals.shape_text(shape)}"
+    if {"causal", "d_heads"} <= params.keys():
+        return f"{mask(params['causal'])} d {'/'.join(map(str, params['d_heads']))}"
+    return "a table"
 
 
 def mask(causal: bool) -> str:
