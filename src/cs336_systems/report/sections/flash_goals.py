@@ -46,9 +46,9 @@ def render(ctx: Context) -> str:
             f"{g} on {gpu}" for g, gpu in zip(failed["goal"], failed["measured on"], strict=True)
         )
     how = (
-        "`do_bench` medians, ours and the reference timed in the same process (where it timed them in rounds, their "
-        "order reversed every other round, the median over the rounds; cuDNN's goals causal, bf16; the spec's grid "
-        "causal, batch 1, one head)"
+        "`do_bench` medians, ours and the reference timed in the same process (in interleaved rounds where the "
+        "measurement says so, the order reversed every other round, each time then the median over the rounds; "
+        "cuDNN's goals causal, bf16; the spec's grid causal, batch 1, one head)"
     )
     if short:
         how += (
