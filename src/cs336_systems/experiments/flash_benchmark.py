@@ -13,10 +13,10 @@ backward and forward + backward, all in one run:
 - `sdpa`: `torch.nn.functional.scaled_dot_product_attention` with PyTorch's own backend choice, and `sdpa_flash`,
   `sdpa_cudnn` pinned to one backend.
 With `--rounds R` every implementation is timed R times per cell, the implementations' order reversed every
-other round, so that neither always runs on a GPU the other has just heated (under the power cap its clock
-follows): one row per round, `round` 0..R-1, and a reader takes the median over rounds.
-One row per (impl, dtype, seq_len, d_head, pass[, round]) with `tier` (the kernel tier ours ran, `flash_tiers`; "pytorch"
-for PyTorch's), `ms`, `tflops` (FLOP convention in the sidecar) and `status` (ok / OOM / error), plus
+other round, so that neither always runs right after the other (under a power cap the clock a kernel gets
+depends on what ran before it): one row per round, `round` 0..R-1, and a reader takes the median over rounds.
+One row per (impl, dtype, seq_len, d_head, pass[, round]) with `tier` (the kernel tier ours ran, `flash_tiers`;
+"pytorch" for PyTorch's), `ms`, `tflops` (FLOP convention in the sidecar) and `status` (ok / OOM / error), plus
 `max_abs_diff_vs_sdpa`, the largest difference of the implementation's output from SDPA's in that cell, and
 `first_call_s`, the implementation's first forward + backward in that cell (synchronised): where the cell needs
 it, compiling and autotuning.
