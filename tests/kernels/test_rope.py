@@ -58,7 +58,10 @@ def test_forward_and_backward_match_float64(shape, dtype):
     for name, a, b in zip("qkv", got, expected, strict=True):
         assert a.shape == (batch, heads, seq, d_head) and a.dtype == dtype, name
         torch.testing.assert_close(a.double(), b, **tol, msg=f"{name} of {shape}")
-    assert got[2].data_ptr() == qkv[:, :, 2].data_ptr()  # v is the projection's own slice, not a copy
+    # q, k and v are slices of one new tensor in the projection's layout (v heads-last, as the projection's own)
+    storage = got[0].untyped_storage().data_ptr()
+    assert all(t.untyped_storage().data_ptr() == storage for t in got) and storage != qkv.data_ptr()
+    assert [t.stride() for t in got] == [qkv[:, :, i].transpose(1, 2).stride() for i in range(3)]
     # k's gradient transposed in memory, as a materialised attention's backward hands it over
     grads = [torch.randn(t.shape, generator=g).to(dtype) for t in got]
     grads[1] = grads[1].transpose(-1, -2).contiguous().transpose(-1, -2)

@@ -12,6 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import subprocess  # noqa: E402
 import types  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -19,8 +20,10 @@ from pathlib import Path  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils.checkpoint import create_selective_checkpoint_contexts  # noqa: E402
 
 from cs336_systems.experiments import train_step_benchmark, train_step_check  # noqa: E402
+from cs336_systems.model import checkpointing  # noqa: E402
 from cs336_systems.training.stacks import STACKS, build_step, model_flops  # noqa: E402
 
 from ..fresh_process import assert_passes_in_fresh_process  # noqa: E402
@@ -124,6 +127,36 @@ def test_compiled_checkpointed_blocks_compute_what_eager_ones_do(stack: str):
     assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-6)
     for (name, p), q in zip(steps[1].model.named_parameters(), steps[0].model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@launches_kernels
+def test_a_compiled_block_keeps_the_rotation_in_place_of_the_projection(monkeypatch: pytest.MonkeyPatch):
+    """Selective checkpointing in a compiled block keeps our RoPE's output (q, k and v in one tensor): the rotation
+    runs once a step, not again in backward, and the blocks save as many bytes as when the QKV projection's output
+    was kept in its place (the policy without RoPE's op, patched in)."""
+
+    def saved_and_rotations() -> tuple[int | None, int]:
+        torch._dynamo.reset()
+        train = build_step(
+            STACKS["ours"], DIMS, 2, torch.device("cpu"), torch.float32, compile_blocks=True, head_chunk=16
+        )
+        train.loss().backward()  # compiles
+        saved = checkpointing.saved_bytes(train.loss)
+        with torch.profiler.profile() as prof:
+            train.loss().backward()
+        return saved, sum(event.name == checkpointing.ROPE_OP for event in prof.events())
+
+    saved, rotations = saved_and_rotations()
+    without_rope = checkpointing.SELECTIVE["selective"] - {checkpointing.ROPE_OP}
+    policy = functools.partial(checkpointing._keep, without_rope)
+    monkeypatch.setitem(
+        checkpointing._SELECTIVE_CONTEXTS,
+        "selective",
+        functools.partial(create_selective_checkpoint_contexts, policy),
+    )
+    saved_recomputing, rotations_recomputing = saved_and_rotations()
+    assert (rotations, rotations_recomputing) == (DIMS["num_layers"], 2 * DIMS["num_layers"])
+    assert saved is not None and saved == saved_recomputing
 
 
 @launches_kernels

@@ -3,15 +3,18 @@
     q, k, v = rope_qkv(qkv, cos, sin)   # qkv: (batch, seq, 3, heads, d_head), cos/sin: (seq, d_head / 2)
 
 q and k come out rotated (consecutive feature pairs (2i, 2i+1) of each head by the angle whose cosine and sine
-the tables give, as the model's RotaryEmbedding), in (batch, heads, seq, d_head); v is the projection's own
-slice, a view. The backward takes the three gradients and writes the projection's gradient in one tensor of
+the tables give, as the model's RotaryEmbedding), v copied, all three (batch, heads, seq, d_head) views of one new
+tensor in qkv's layout. That tensor alone holds what attention reads, so selective checkpointing keeps it in a
+compiled block (cs336_systems.model.checkpointing) instead of the projection's output, and nothing is rotated
+again in backward. The backward takes the three gradients and writes the projection's gradient in one tensor of
 qkv's shape: q's and k's rotated back, v's copied.
 
 Why a kernel of its own: compiled PyTorch does the same rotation, but its backward goes through `select` and
 `slice` backwards, which write zero-filled tensors and add them: two kernels of about 0.45 ms each per layer of the
 8B model at 32k tokens (H200), beside 0.48 ms for the forward and again for its recomputation under selective
-checkpointing. Here each element is read once and written once: 1.24 ms per layer for all seven launches (two
-forward, two recomputed, three backward), against 1.85 ms (the pipeline's kernel maps at e2a718a and 136c003).
+checkpointing: 1.85 ms per layer (the pipeline's kernel maps at e2a718a and 136c003). Here each element is read
+once and written once in six launches (three forward, three backward): 1.00 ms per layer (one H200, a dev kernel
+map), against 1.24 ms for seven when q and k alone were written and rotated again in backward.
 Arithmetic is float32 with the tables rounded to the activations' dtype first, as the model's `cos.to(x.dtype)`
 and torch.compile's float32 arithmetic do, so both round the result once.
 It runs compiled on CUDA and in Triton's CPU interpreter (TRITON_INTERPRET=1), as the tests do.
@@ -96,20 +99,20 @@ def _heads_first(t: Tensor) -> Tensor:
     return t.transpose(1, 2)
 
 
-@torch.library.custom_op("cs336::rope_qk", mutates_args=())
-def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """q and k of qkv (batch, seq, 3, heads, d_head) rotated, each (batch, heads, seq, d_head) contiguous."""
-    batch, seq, _, heads, d_head = qkv.shape
-    q, k = (qkv.new_empty(batch, heads, seq, d_head) for _ in range(2))
-    for i, out in enumerate((q, k)):
-        _rotate(_heads_first(qkv[:, :, i]), out, cos, sin, 1)
-    return q, k
+@torch.library.custom_op("cs336::rope_qkv_forward", mutates_args=())
+def rope_qkv_forward(qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """qkv (batch, seq, 3, heads, d_head) with q and k rotated and v copied, in a new tensor of that layout. v is
+    copied so that the output alone holds all three: selective checkpointing keeps it (instead of the projection's
+    output) and nothing is rotated again in backward."""
+    out = qkv.new_empty(qkv.shape)
+    for i, direction in enumerate((1, 1, 0)):
+        _rotate(_heads_first(qkv[:, :, i]), _heads_first(out[:, :, i]), cos, sin, direction)
+    return out
 
 
-@rope_qk.register_fake
-def _(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    batch, seq, _, heads, d_head = qkv.shape
-    return qkv.new_empty(batch, heads, seq, d_head), qkv.new_empty(batch, heads, seq, d_head)
+@rope_qkv_forward.register_fake
+def _(qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return qkv.new_empty(qkv.shape)
 
 
 @torch.library.custom_op("cs336::rope_qkv_backward", mutates_args=())
@@ -133,8 +136,8 @@ class _RotaryQKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         ctx.save_for_backward(cos, sin)
-        q, k = rope_qk(qkv, cos, sin)
-        return q, k, _heads_first(qkv[:, :, 2])
+        rotated = rope_qkv_forward(qkv, cos, sin)
+        return tuple(_heads_first(rotated[:, :, i]) for i in range(3))
 
     @staticmethod
     def backward(ctx, dq: Tensor, dk: Tensor, dv: Tensor):

@@ -6,8 +6,9 @@ Policies (`ModelConfig.checkpoint`), all on `torch.utils.checkpoint.checkpoint(.
              forward is run again in backward
   nested     recursive: the block list split in halves, each half checkpointed, each half's halves inside it
              checkpointed, down to single blocks: O(log N) checkpoints held at once, O(N log N) forward compute
-  selective  one checkpoint per block whose matmul outputs (and attention's: SDPA's or our FlashAttention's) are
-             kept: only norms, activations and elementwise ops are recomputed (`create_selective_checkpoint_contexts`)
+  selective  one checkpoint per block whose matmul outputs (and attention's: SDPA's or our FlashAttention's; and our
+             RoPE kernel's) are kept: only norms, activations and elementwise ops are recomputed
+             (`create_selective_checkpoint_contexts`)
   selective:attention
              one checkpoint per block that keeps only attention's outputs: everything else, matmuls included, is
              recomputed; a block then holds about one more block input, and backward does not rerun attention
@@ -35,11 +36,19 @@ ATTENTION_OPS = {
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
-# Our FlashAttention's forward (a custom op, cs336_systems.kernels.flash_attention), by name: naming the op itself would
-# import Triton here.
-FLASH_OP = "cs336::flash_attention_forward"
-# What each selective policy keeps; every other op of the block is recomputed in backward.
-SELECTIVE = {"selective": MATMUL_OPS | ATTENTION_OPS, "selective:attention": ATTENTION_OPS}
+# Our FlashAttention's forward and our RoPE's (custom ops, cs336_systems.kernels.flash_attention and .rope), by name:
+# naming the ops themselves would import Triton here.
+FLASH_OP, ROPE_OP = "cs336::flash_attention_forward", "cs336::rope_qkv_forward"
+# What each selective policy keeps (ops, or custom ops by name); every other op of the block is recomputed in
+# backward.
+SELECTIVE = {
+    "selective": MATMUL_OPS | ATTENTION_OPS | {FLASH_OP, ROPE_OP},
+    "selective:attention": ATTENTION_OPS | {FLASH_OP},
+}
+# Kept only in a compiled block. RoPE's output holds q, k and v: kept, it replaces the QKV projection's output among
+# what a compiled block saves (the partitioner saves what backward reads, and nothing reads that then), and nothing
+# is rotated again; eager checkpointing would cache both.
+COMPILED_ONLY = {ROPE_OP}
 
 # While `saved_bytes` counts, the outputs that selective checkpointing caches are reported here (None: the policy
 # cannot see them, as in torch < 2.12, whose policy context has no `op_output`).
@@ -106,7 +115,10 @@ def _nested(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 def _keep(kept: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in kept or op.name() == FLASH_OP:  # every selective policy keeps attention's outputs
+    name = op.name()
+    # compiled: asked while AOTAutograd traces the block (torch.compiler.is_compiling() says so only from torch 2.13)
+    compiled = torch.utils.checkpoint._is_compiling(op, args, kwargs)
+    if op in kept or (name in kept and (name not in COMPILED_ONLY or compiled)):
         seen = _cached_output_seen.get()
         if seen is not None:
             if not hasattr(ctx, "op_output"):

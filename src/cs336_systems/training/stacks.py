@@ -6,13 +6,14 @@ one of several stacks so that each piece's worth can be measured.
 A stack says how the same model is run (`STACKS`):
 - `plain`: our TransformerLM as it is, the spec's naive baseline (materialised attention scores, eager logits);
 - `native`: what PyTorch alone offers: SDPA (its fastest backend), selective checkpointing of every block
-  (`torch.utils.checkpoint`, matmul and attention outputs kept), each checkpointed block `torch.compile`d, the LM
-  head and loss in chunks of tokens whose logits are recomputed in backward (`checkpoint` per chunk),
-  torch.optim.AdamW(fused=True);
+  (`torch.utils.checkpoint`, matmul and attention outputs kept), each checkpointed block and the final norm
+  `torch.compile`d, the LM head and loss in chunks of tokens whose logits are recomputed in backward (`checkpoint`
+  per chunk), torch.optim.AdamW(fused=True);
 - `ours`: the same with our FlashAttention (Triton), our RoPE kernels (Triton, cs336_systems.kernels.rope: q and k
-  rotated, and the projection's gradient written, in one pass each), our fused LM head + cross-entropy (Triton,
-  cs336_systems.kernels.fused_cross_entropy) and our AdamW kernel (Triton, cs336_systems.kernels.fused_adamw), and the `ours_*`
-  variants that put one PyTorch piece back, so the writeup shows what each of ours is worth;
+  rotated and v copied into one tensor, which selective checkpointing keeps, and the projection's gradient
+  written, in one pass each), our fused LM head + cross-entropy (Triton, cs336_systems.kernels.fused_cross_entropy)
+  and our AdamW kernel (Triton, cs336_systems.kernels.fused_adamw), and the `ours_*` variants that put one PyTorch
+  piece back, so the writeup shows what each of ours is worth;
 - `ours_fp32_master`: ours with float32 master weights: weights, gradients and AdamW state in float32, the step's
   forward and backward under autocast to the run's dtype (the matmuls and our kernels in bf16);
 - `*_fsdp`: the stack sharded over the ranks of the process group, each rank training on its own sequences:
@@ -237,11 +238,14 @@ def new_lm(
 
 
 def as_loss_model(lm: TransformerLM, stack: Stack, compile_blocks: bool, head_chunk: int) -> LossModel:
-    """`lm` run as the stack says: each block compiled (with its selective checkpoint), as a LossModel."""
+    """`lm` run as the stack says: each block compiled (with its selective checkpoint) and the final norm compiled,
+    as a LossModel."""
     if compile_blocks:
         selective = stack.checkpoint in checkpointing.SELECTIVE
         blocks = [_CheckpointedBlock(b, stack.checkpoint) if selective else b for b in lm.blocks]
         lm.blocks = nn.ModuleList(torch.compile(b) for b in blocks)
+        # eager, the final RMSNorm is a dozen float32 passes over the hidden states, forward and backward
+        lm.final_norm = torch.compile(lm.final_norm)
     return LossModel(lm, stack.head, head_chunk)
 
 
