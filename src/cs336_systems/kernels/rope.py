@@ -13,8 +13,8 @@ Why a kernel of its own: compiled PyTorch does the same rotation, but its backwa
 `slice` backwards, which write zero-filled tensors and add them: two kernels of about 0.45 ms each per layer of the
 8B model at 32k tokens (H200), beside 0.48 ms for the forward and again for its recomputation under selective
 checkpointing: 1.85 ms per layer (the pipeline's kernel maps at e2a718a and 136c003). Here each element is read
-once and written once in six launches (three forward, three backward): 1.00 ms per layer (one H200, a dev kernel
-map), against 1.24 ms for seven when q and k alone were written and rotated again in backward.
+once and written once in six launches (three forward, three backward): 0.99 ms per layer (the pipeline's kernel map
+at da40cc4), against 1.24 ms for seven when q and k alone were written and rotated again in backward.
 Arithmetic is float32 with the tables rounded to the activations' dtype first, as the model's `cos.to(x.dtype)`
 and torch.compile's float32 arithmetic do, so both round the result once.
 It runs compiled on CUDA and in Triton's CPU interpreter (TRITON_INTERPRET=1), as the tests do.
