@@ -115,10 +115,12 @@ def _nested(blocks: Sequence[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 def _keep(kept: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    name = op.name()
-    # compiled: asked while AOTAutograd traces the block (torch.compiler.is_compiling() says so only from torch 2.13)
-    compiled = torch.utils.checkpoint._is_compiling(op, args, kwargs)
-    if op in kept or (name in kept and (name not in COMPILED_ONLY or compiled)):
+    keep = op in kept or op.name() in kept
+    if op.name() in COMPILED_ONLY:
+        # compiled: asked while AOTAutograd traces the block, as SAC itself tells (torch.compiler.is_compiling() did
+        # under the CPU machine's torch 2.13, but not under the GPU machines' 2.11)
+        keep = keep and torch.utils.checkpoint._is_compiling(op, args, kwargs)
+    if keep:
         seen = _cached_output_seen.get()
         if seen is not None:
             if not hasattr(ctx, "op_output"):
