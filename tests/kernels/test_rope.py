@@ -105,8 +105,8 @@ def test_model_with_the_kernel_trains_as_with_the_module(compiled):
 @launches_kernels
 @pytest.mark.parametrize("rope", ["torch", "triton"])
 def test_the_output_projection_reads_our_attention_without_a_copy(rope):
-    """V a heads-last slice of the projection (either RoPE), O in V's order from our attention: the output
-    projection's (batch, seq, d_model) input is a view of O, with no copy between them."""
+    """V a heads-last slice (of the projection, or of our RoPE's output in its layout), O in V's order from our
+    attention: the output projection's (batch, seq, d_model) input is a view of O, with no copy between them."""
     for batch in (1, 2):
         cfg = ModelConfig(context_length=11, d_model=32, num_heads=2, attention="flash_triton", rope=rope)
         attention = TransformerLM(cfg).blocks[0].attn

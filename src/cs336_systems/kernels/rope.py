@@ -148,8 +148,8 @@ class _RotaryQKV(torch.autograd.Function):
 
 def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(q, k, v), each (batch, heads, seq, d_head), from the QKV projection viewed as (batch, seq, 3, heads, d_head):
-    q and k rotated by the tables cos, sin (seq, d_head / 2; any float dtype, rounded to qkv's), v a view of qkv.
-    Differentiable in qkv."""
+    q and k rotated by the tables cos, sin (seq, d_head / 2; any float dtype, rounded to qkv's), v copied; the three
+    are views of one new tensor in qkv's layout. Differentiable in qkv."""
     if qkv.dim() != 5 or qkv.shape[2] != 3 or qkv.shape[-1] % 2:
         raise ValueError(
             f"qkv must be (batch, seq, 3, heads, d_head) with d_head even, got {tuple(qkv.shape)}"

@@ -153,7 +153,8 @@ class CausalSelfAttention(nn.Module):
             positions = torch.arange(seq, device=x.device)
             q, k = self.rope(q, positions), self.rope(k, positions)
         y = self.attend(q, k, v)
-        # a view where y is laid out heads-last (our attention writes O in v's order, and v is a slice of qkv)
+        # a view where y is laid out heads-last (our attention writes O in v's order, and v is a heads-last slice: of
+        # qkv, or of our RoPE's output in qkv's layout)
         return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
 
 
