@@ -295,9 +295,15 @@ def test_our_adamw_against_torchs(tmp_path):
     )
 
 
-def whole_layers(tmp_path: Path, since_build: bool, monkeypatch, commits=("a" * 40, "a" * 40)) -> str:
+def whole_layers(
+    tmp_path: Path,
+    since_build: bool,
+    monkeypatch,
+    commits=("a" * 40, "a" * 40),
+    native_peak_gib: float | None = None,
+) -> str:
     """The one-GPU cells and fits of ours and ours without checkpointing (one file each, at `commits`), and ours
-    under our FSDP at 34 layers; the checkpointing section's text."""
+    under our FSDP at 34 layers (and the native stack, where it has a peak); the checkpointing section's text."""
     one_gpu = [
         {
             "kind": "cell",
@@ -324,7 +330,10 @@ def whole_layers(tmp_path: Path, since_build: bool, monkeypatch, commits=("a" * 
             {**PARAMS, "num_layers": [2, 4, 8], "stacks": [stack]},
         )
     monkeypatch.setenv("CS336_GIT_COMMIT", "b" * 40)
-    return sharded(tmp_path, [cell("ours_fsdp", 5000.0, 128 * 1024, 0.40, since_build=since_build)])
+    cells = [cell("ours_fsdp", 5000.0, 128 * 1024, 0.40, since_build=since_build)]
+    if native_peak_gib is not None:
+        cells.append(cell("native_fsdp", 5500.0, native_peak_gib * 1024, 0.36, since_build=since_build))
+    return sharded(tmp_path, cells)
 
 
 def test_whole_layers_by_measurement(tmp_path, monkeypatch):
@@ -341,6 +350,18 @@ def test_whole_layers_by_measurement(tmp_path, monkeypatch):
         in text
     )
     assert "(0.18% of its 5.00 s)" in text
+    assert "The stacks measured here keep no layer whole." in text
+
+
+def test_whole_layers_room_of_the_native_stack_too(tmp_path, monkeypatch):
+    """The native stack under FSDP2 peaks at 130.5 GiB: by ours' slopes (2 GiB a whole layer) room for 2 whole
+    layers; the policy is open to both stacks, so the writeup says so."""
+    text = whole_layers(tmp_path, since_build=False, monkeypatch=monkeypatch, native_peak_gib=130.5)
+    assert "room for 3 whole layer(s), worth 9.0 ms per step" in text
+    assert (
+        "The native stack under FSDP2 peaks at 130.5 GiB: by ours' slopes, room for 2 whole layer(s). Keeping "
+        "layers whole is open to both stacks; the stacks measured here keep none." in text
+    )
 
 
 def test_no_whole_layers_from_peaks_since_the_build(tmp_path, monkeypatch):

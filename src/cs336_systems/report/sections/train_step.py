@@ -1299,17 +1299,18 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
     activations within the peak-memory goal at the leaderboard's depth, and the time that would save. A whole
     layer's cost and saving are the one-GPU slopes over depth (ours without checkpointing against ours, in peak
     memory and in step time); every rank holds its own sequence's activations, so sharding leaves them per GPU as
-    they are. The headroom is the goal less our stack's measured step peak under our FSDP. Not derived from peaks
+    they are. The headroom is the goal less our stack's measured step peak under our FSDP; the native stack's
+    room, by the same slopes, beside it (the policy is open to both). Not derived from peaks
     since the build (older tables): the build's transient may be all they show; nor from the two stacks measured
     at two commits."""
     one_gpu = ctx.table("train_step")
-    at = cells[
-        (cells["stack"] == "ours_fsdp")
-        & (cells["status"] == "ok")
+    at_leaderboard = cells[
+        (cells["status"] == "ok")
         & cells["peak_mib"].notna()
         & (cells["num_layers"] == LEADERBOARD_LAYERS)
         & (cells["world_size"] == LEADERBOARD_GPUS)
     ]
+    at, native = (at_leaderboard[at_leaderboard["stack"] == s] for s in ("ours_fsdp", "native_fsdp"))
     if one_gpu is None or at.empty:
         return ""
     frame = one_gpu[0]
@@ -1351,8 +1352,13 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
     extra_gib = peak_slope["ours_no_checkpoint"] - peak_slope["ours"]
     saved_ms = fits.loc["ours", "per_layer_ms"] - fits.loc["ours_no_checkpoint", "per_layer_ms"]
     ours = at.iloc[-1]
-    headroom = GOAL_PEAK_GIB - ours["peak_mib"] / 1024
-    whole = max(0, min(LEADERBOARD_LAYERS, math.floor(headroom / extra_gib))) if extra_gib > 0 else 0
+
+    def room(peak_mib: float) -> tuple[float, int]:
+        headroom = GOAL_PEAK_GIB - peak_mib / 1024
+        whole = max(0, min(LEADERBOARD_LAYERS, math.floor(headroom / extra_gib))) if extra_gib > 0 else 0
+        return headroom, whole
+
+    headroom, whole = room(ours["peak_mib"])
     if saved_ms > 0:
         time = f"saves {saved_ms:,.1f} ms of step time"
         worth = (
@@ -1361,6 +1367,14 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
         )
     else:
         time, worth = f"saves no step time ({signed(saved_ms)} ms)", "worth no time"
+    both_stacks = "The stacks measured here keep no layer whole."
+    if not native.empty:
+        native_peak = native.iloc[-1]["peak_mib"]
+        both_stacks = (
+            f"The native stack under FSDP2 peaks at {native_peak / 1024:,.1f} GiB: by ours' slopes, room for "
+            f"{room(native_peak)[1]} whole layer(s). Keeping layers whole is open to both stacks; the stacks "
+            "measured here keep none."
+        )
     return (
         f"**Which layers keep everything, by measurement.** On one GPU a layer that keeps all its activations "
         f"costs {extra_gib:.2f} GiB more peak memory than a selectively checkpointed one and {time} "
@@ -1368,5 +1382,5 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
         "sequence's activations, so the same holds per GPU under sharding. Ours under our FSDP peaks at "
         f"{ours['peak_mib'] / 1024:,.1f} GiB at {LEADERBOARD_LAYERS} layers on {LEADERBOARD_GPUS} GPUs, "
         f"{headroom:,.1f} GiB below the {GOAL_PEAK_GIB} GiB goal: by these slopes, room for {whole} whole "
-        f"layer(s), {worth}. The stacks measured here keep no layer whole."
+        f"layer(s), {worth}. {both_stacks}"
     )
