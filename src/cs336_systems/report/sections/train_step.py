@@ -1304,15 +1304,10 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
     since the build (older tables): the build's transient may be all they show; nor from the two stacks measured
     at two commits."""
     one_gpu = ctx.table("train_step")
-    at_leaderboard = cells[
-        (cells["status"] == "ok")
-        & cells["peak_mib"].notna()
-        & (cells["num_layers"] == LEADERBOARD_LAYERS)
-        & (cells["world_size"] == LEADERBOARD_GPUS)
-    ]
-    at, native = (at_leaderboard[at_leaderboard["stack"] == s] for s in ("ours_fsdp", "native_fsdp"))
-    if one_gpu is None or at.empty:
+    measured = at_leaderboard(cells[(cells["status"] == "ok") & cells["peak_mib"].notna()])
+    if one_gpu is None or "ours_fsdp" not in measured.index:
         return ""
+    at = measured.loc[["ours_fsdp"]]
     frame = one_gpu[0]
     ok = frame[(frame["kind"] == "cell") & (frame["status"] == "ok")].dropna(subset=["peak_mib"])
     fits = frame[frame["kind"] == "fit"].set_index("stack")
@@ -1368,8 +1363,8 @@ def whole_layers_text(ctx: Context, cells: pd.DataFrame) -> str:
     else:
         time, worth = f"saves no step time ({signed(saved_ms)} ms)", "worth no time"
     both_stacks = "The stacks measured here keep no layer whole."
-    if not native.empty:
-        native_peak = native.iloc[-1]["peak_mib"]
+    if "native_fsdp" in measured.index:
+        native_peak = measured.loc["native_fsdp", "peak_mib"]
         both_stacks = (
             f"The native stack under FSDP2 peaks at {native_peak / 1024:,.1f} GiB: by ours' slopes, room for "
             f"{room(native_peak)[1]} whole layer(s). Keeping layers whole is open to both stacks; the stacks "
