@@ -3,7 +3,8 @@
 On any machine: `supports()` refuses the CPU, and the kernels compile for sm_90 (Triton compiles for a named
 target without a GPU) to wgmma (HGMMA) without register spills. On an H100/H200 (`gpu` marker): O, L, dQ, dK, dV
 against float64 attention on fresh random inputs, odd and power-of-two lengths, causal and not, head dims 64 and
-128, bf16 and fp16, and against the portable Triton tier.
+128, bf16 and fp16, and against the portable Triton tier; O and the gradients written into strided views; our RoPE
+and attention as one node against them apart.
 """
 
 import json
@@ -221,6 +222,50 @@ def test_forward_writes_a_strided_out_in_place(d):
     unaligned = torch.empty(heads, seq, d + 1, dtype=torch.bfloat16, device="cuda")[..., 1:]
     o, _ = hopper.forward(q, k, v, True, unaligned)
     assert o is unaligned and torch.equal(o, expected)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_writes_strided_out_in_place(d):
+    # dQ, dK, dV into the (heads, seq, d) slices of one (seq, 4, heads, d) tensor, as RoPE and attention as one node
+    # ask: dK and dV by the TMA stores where they lie, dQ through a copy; every value that of the backward without
+    # `out`, and the fourth slice, between none of them, untouched.
+    heads, seq = 3, 1000
+    q, k, v, do = _inputs(heads, seq, seq, d, torch.bfloat16, seed=d)
+    o, lse = hopper.forward(q, k, v, True)
+    expected = hopper.backward(q, k, v, o, do, lse, True)
+    storage = torch.full((seq, 4, heads, d), 7.0, dtype=torch.bfloat16, device="cuda")
+    out = tuple(storage[:, i].transpose(0, 1) for i in range(3))
+    grads = hopper.backward(q, k, v, o, do, lse, True, out)
+    assert all(grad is target for grad, target in zip(grads, out, strict=True))
+    assert all(torch.equal(grad, e) for grad, e in zip(grads, expected, strict=True))
+    assert torch.all(storage[:, 3] == 7.0)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("batch", [1, 2])
+def test_rope_and_attention_as_one_node_match_them_apart(batch):
+    # The model's attention with our RoPE (cs336_systems.kernels.rope_attention) on the Hopper tier: output and
+    # the projection's gradient equal to the bit to RoPE's op and attention's apart (at batch 1 the backward
+    # writes into the projection's gradient in place, at batch 2 through copies).
+    from cs336_systems.kernels.flash_attention import flash_attention
+    from cs336_systems.kernels.rope import rope_qkv
+    from cs336_systems.kernels.rope_attention import rope_attention
+    from cs336_systems.model.transformer import RotaryEmbedding
+
+    heads, seq, d = 3, 1000, 128
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    qkv = torch.randn(batch, seq, 3, heads, d, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    rope = RotaryEmbedding(d, seq, 10_000.0).to("cuda")
+    fused = rope_attention(qkv, rope.cos, rope.sin, tier="hopper")
+    apart = flash_attention(*rope_qkv(qkv, rope.cos, rope.sin), is_causal=True, tier="hopper")
+    do = torch.randn(fused.shape, generator=g, device="cuda").to(torch.bfloat16)
+    (fused_grad,) = torch.autograd.grad(fused, qkv, do)
+    (apart_grad,) = torch.autograd.grad(apart, qkv, do)
+    assert torch.equal(fused, apart)
+    assert torch.equal(fused_grad, apart_grad)
 
 
 @pytest.mark.gpu

@@ -1,9 +1,10 @@
 """FlashAttention kernel tiers: which implementation of the kernels' contract runs for given inputs.
 
 A tier provides `supports(device, dtype, head_dim, is_causal) -> bool`, `forward(q, k, v, is_causal, out=None) ->
-(o, lse)` and `backward(q, k, v, o, do, lse, is_causal) -> (dq, dk, dv)` on (batch, seq, d) tensors of any strides
-(a tier copies what its kernels cannot read in place), returning contiguous tensors, except O where `out` is
-given: the forward writes O there (any strides), directly where its kernels can: the contract of
+(o, lse)` and `backward(q, k, v, o, do, lse, is_causal, out=None) -> (dq, dk, dv)` on (batch, seq, d) tensors of
+any strides (a tier copies what its kernels cannot read in place), returning contiguous tensors, except where `out`
+is given: the forward writes O there, the backward dQ, dK and dV (any strides), directly where its kernels can: the
+contract of
 `flash_triton.flash_forward` / `flash_backward`:
 - "portable": the Triton kernels of `flash_triton`, on any CUDA GPU and, interpreted, on the CPU;
 - "hopper": the module `cs336_systems.kernels.hopper` (GPU only), imported at first use; a module that is missing,

@@ -594,8 +594,10 @@ def flash_backward(
     do: torch.Tensor,
     lse: torch.Tensor,
     is_causal: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L, without atomics."""
+    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L, without atomics; copied into `out` (three
+    views of those shapes, any strides) where given, and then those returned."""
     q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
@@ -622,4 +624,6 @@ def flash_backward(
         (q, k, v, do, lse, delta, dq),
         scalars,
     )
+    if out is not None:
+        return tuple(target.copy_(grad) for target, grad in zip(out, (dq, dk, dv), strict=True))
     return dq, dk, dv

@@ -150,6 +150,12 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Ten
     """(q, k, v), each (batch, heads, seq, d_head), from the QKV projection viewed as (batch, seq, 3, heads, d_head):
     q and k rotated by the tables cos, sin (seq, d_head / 2; any float dtype, rounded to qkv's), v copied; the three
     are views of one new tensor in qkv's layout. Differentiable in qkv."""
+    check(qkv, cos, sin)
+    return _RotaryQKV.apply(qkv, cos.contiguous(), sin.contiguous())
+
+
+def check(qkv: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """One error naming what is wrong with RoPE's inputs, before any launch."""
     if qkv.dim() != 5 or qkv.shape[2] != 3 or qkv.shape[-1] % 2:
         raise ValueError(
             f"qkv must be (batch, seq, 3, heads, d_head) with d_head even, got {tuple(qkv.shape)}"
@@ -164,4 +170,3 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Ten
         raise ValueError(
             f"the RoPE kernel needs CUDA tensors (or TRITON_INTERPRET=1), but qkv is on {qkv.device}"
         )
-    return _RotaryQKV.apply(qkv, cos.contiguous(), sin.contiguous())

@@ -319,8 +319,11 @@ def backward(
     do: torch.Tensor,
     lse: torch.Tensor,
     is_causal: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L; dQ through a float32 buffer."""
+    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L; dQ through a float32 buffer. Written into
+    `out` (three views of those shapes) where given, and then those returned: dK and dV by the kernel's TMA stores
+    where a descriptor can span them, the rest through copies."""
     q, k, v, o, do = _prepared(q, k, v, o, do)
     lse = lse.contiguous()
     batch, n_queries, d = q.shape
@@ -343,8 +346,13 @@ def backward(
             **{"N_QUERIES": n_queries, "N_PAD": n_pad, "D": d, "ROWS": _PREPROCESS_ROWS, "num_warps": 4},
         },
     )
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous whatever k's and v's strides
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # contiguous whatever k's and v's strides, unless written in place
+    dk, dv = (
+        out[i]
+        if out is not None and _tma_readable(out[i])
+        else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        for i, t in ((1, k), (2, v))
+    )
     scale = 1.0 / math.sqrt(d)
     # the kernel's TMA descriptors, in its argument order (dQ's tiles are added to dq_accum by TMA reductions)
     tiles = ((k, (1, cfg.bn, d)), (v, (1, cfg.bn, d)), (q, (1, cfg.bm, d)), (do, (1, cfg.bm, d)),
@@ -383,4 +391,9 @@ def backward(
             "num_warps": 4,
         },
     )
+    if out is not None:
+        return tuple(
+            target if target is grad else target.copy_(grad)
+            for target, grad in zip(out, (dq, dk, dv), strict=True)
+        )
     return dq, dk, dv
