@@ -81,7 +81,7 @@ def _rotate_kernel(
         tl.store(dst, rotated.to(x.dtype), mask=mask)
 
 
-def _rotate(src: Tensor, dst: Tensor, cos: Tensor, sin: Tensor, direction: int) -> None:
+def rotate(src: Tensor, dst: Tensor, cos: Tensor, sin: Tensor, direction: int) -> None:
     """dst[...] = src rotated (1), rotated back (-1) or copied (0); both (batch, heads, seq, d_head) views."""
     batch, heads, seq, d_head = src.shape
     if seq == 0 or batch * heads == 0:
@@ -106,7 +106,7 @@ def rope_qkv_forward(qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     output) and nothing is rotated again in backward."""
     out = qkv.new_empty(qkv.shape)
     for i, direction in enumerate((1, 1, 0)):
-        _rotate(_heads_first(qkv[:, :, i]), _heads_first(out[:, :, i]), cos, sin, direction)
+        rotate(_heads_first(qkv[:, :, i]), _heads_first(out[:, :, i]), cos, sin, direction)
     return out
 
 
@@ -122,7 +122,7 @@ def rope_qkv_backward(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tens
     batch, heads, seq, d_head = dq.shape
     dqkv = dq.new_empty(batch, seq, 3, heads, d_head)
     for i, (grad, direction) in enumerate(((dq, -1), (dk, -1), (dv, 0))):
-        _rotate(grad, _heads_first(dqkv[:, :, i]), cos, sin, direction)
+        rotate(grad, _heads_first(dqkv[:, :, i]), cos, sin, direction)
     return dqkv
 
 

@@ -5,10 +5,12 @@
 
 The forward is RoPE's op (q and k rotated, v copied, into one tensor in qkv's layout) and then attention's. The
 backward is one op that returns the projection's gradient itself: attention's backward writes dQ, dK and dV into
-the slices of one tensor in qkv's layout (dK and dV by the Hopper tier's TMA stores where it runs), and dQ and dK
-are rotated back there in place, so dV is never copied and no second gradient tensor is made. Apart, RoPE's
-backward took attention's three gradients and wrote a new tensor from them (kernels/rope.py). A custom op may not
-return tensors that alias each other, hence one tensor out, its slices taken outside.
+the slices of one tensor in qkv's layout, dQ and dK rotated back on the way (the tier's `rope` argument: the Hopper
+tier rotates dQ in its float32 accumulator's conversion and dK in the backward's epilogue, and stores both and dV
+where they lie; the portable tier rotates with RoPE's kernel), so no launch of RoPE's backward remains and no second
+gradient tensor is made. Apart, RoPE's backward took attention's three gradients and wrote a new tensor from them
+in three launches (kernels/rope.py). A custom op may not return tensors that alias each other, hence one tensor
+out, its slices taken outside.
 """
 
 from __future__ import annotations
@@ -36,13 +38,11 @@ def rope_attention_backward(
     tier: str | None = None,
 ) -> Tensor:
     """The gradient of the QKV projection (rotated's shape and layout) from O's: attention's backward into its
-    slices, then dQ and dK rotated back in place."""
+    slices, dQ and dK rotated back on the way (by the tier: flash_tiers)."""
     grad = rotated.new_empty(rotated.shape)
     q, k, v = _slices(rotated)
     chosen = flash_tiers.tier_for(q, is_causal, tier)
-    flash_attention._backward(q, k, v, O, dO, L, is_causal, chosen, out=_slices(grad))
-    for slice_ in _slices(grad)[:2]:
-        rope._rotate(slice_, slice_, cos, sin, -1)  # each program reads its rows before it writes them
+    flash_attention._backward(q, k, v, O, dO, L, is_causal, chosen, out=_slices(grad), rope=(cos, sin))
     return grad
 
 
