@@ -248,7 +248,9 @@ def _assert_within_one_ulp(actual, expected):
     may contract other products into FMAs."""
     assert actual.shape == expected.shape
     ulp = torch.finfo(expected.dtype).eps * expected.float().abs().clamp_min(torch.finfo(expected.dtype).tiny)
-    assert torch.all((actual.float() - expected.float()).abs() <= ulp), (actual.float() - expected.float()).abs().max()
+    assert torch.all((actual.float() - expected.float()).abs() <= ulp), (
+        (actual.float() - expected.float()).abs().max()
+    )
 
 
 @pytest.mark.gpu

@@ -331,7 +331,9 @@ def backward(
     lse = lse.contiguous()
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
-    if rope is not None and any(t.shape[0] < max(n_queries, n_keys) or t.shape[1:] != (d // 2,) for t in rope):
+    if rope is not None and any(
+        t.shape[0] < max(n_queries, n_keys) or t.shape[1:] != (d // 2,) for t in rope
+    ):
         raise ValueError(
             f"RoPE's tables must be (seq >= {max(n_queries, n_keys)}, {d // 2}), got {[tuple(t.shape) for t in rope]}"
         )
