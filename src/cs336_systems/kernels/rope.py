@@ -14,7 +14,9 @@ Why a kernel of its own: compiled PyTorch does the same rotation, but its backwa
 8B model at 32k tokens (H200), beside 0.48 ms for the forward and again for its recomputation under selective
 checkpointing: 1.85 ms per layer (the pipeline's kernel maps at e2a718a and 136c003). Here each element is read
 once and written once in six launches (three forward, three backward): 0.99 ms per layer (the pipeline's kernel map
-at da40cc4), against 1.24 ms for seven when q and k alone were written and rotated again in backward.
+at da40cc4), against 1.24 ms for seven when q and k alone were written and rotated again in backward. Beside our
+attention the backward's three go too: attention's backward rotates dQ and dK back itself (`rotate` below on the
+portable tier, inside the kernels on the Hopper tier) and writes the projection's gradient (kernels/rope_attention.py).
 Arithmetic is float32 with the tables rounded to the activations' dtype first, as the model's `cos.to(x.dtype)`
 and torch.compile's float32 arithmetic do, so both round the result once.
 It runs compiled on CUDA and in Triton's CPU interpreter (TRITON_INTERPRET=1), as the tests do.
@@ -82,7 +84,8 @@ def _rotate_kernel(
 
 
 def rotate(src: Tensor, dst: Tensor, cos: Tensor, sin: Tensor, direction: int) -> None:
-    """dst[...] = src rotated (1), rotated back (-1) or copied (0); both (batch, heads, seq, d_head) views."""
+    """dst[...] = src rotated (1), rotated back (-1) or copied (0); both (batch, heads, seq, d_head) views, the same
+    one allowed (each program reads its rows before it writes them); cos, sin (>= seq, d_head / 2), contiguous."""
     batch, heads, seq, d_head = src.shape
     if seq == 0 or batch * heads == 0:
         return
