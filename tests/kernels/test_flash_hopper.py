@@ -3,7 +3,8 @@
 On any machine: `supports()` refuses the CPU, and the kernels compile for sm_90 (Triton compiles for a named
 target without a GPU) to wgmma (HGMMA) without register spills. On an H100/H200 (`gpu` marker): O, L, dQ, dK, dV
 against float64 attention on fresh random inputs, odd and power-of-two lengths, causal and not, head dims 64 and
-128, bf16 and fp16, and against the portable Triton tier.
+128, bf16 and fp16, and against the portable Triton tier; O and the gradients written into strided views; RoPE's
+backward run by the backward's kernels against RoPE's own; our RoPE and attention as one node against them apart.
 """
 
 import json
@@ -63,8 +64,8 @@ print(json.dumps({**dataclasses.asdict(report), "spills": report.spills, "line":
 @pytest.mark.skipif(compile_check.available() is not None, reason=f"{compile_check.available()}")
 @pytest.mark.parametrize(
     "kernel, d, seq_len",
-    [("fwd", 128, 4096), ("bwd", 128, 4096), ("fwd", 64, 1024), ("bwd", 64, 1024)],
-    ids=["fwd-d128", "bwd-d128", "fwd-d64-short", "bwd-d64"],
+    [("fwd", 128, 4096), ("bwd", 128, 4096), ("bwd_rope", 128, 4096), ("fwd", 64, 1024), ("bwd", 64, 1024)],
+    ids=["fwd-d128", "bwd-d128", "bwd_rope-d128", "fwd-d64-short", "bwd-d64"],
 )
 def test_kernels_compile_for_sm90_to_wgmma_without_spills(kernel, d, seq_len):
     # Causal (the most registers): d = 128 with two consumer warpgroups per program, and d = 64's configs with
@@ -221,6 +222,84 @@ def test_forward_writes_a_strided_out_in_place(d):
     unaligned = torch.empty(heads, seq, d + 1, dtype=torch.bfloat16, device="cuda")[..., 1:]
     o, _ = hopper.forward(q, k, v, True, unaligned)
     assert o is unaligned and torch.equal(o, expected)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_writes_strided_out_in_place(d):
+    # dQ, dK, dV into the (heads, seq, d) slices of one (seq, 4, heads, d) tensor, as RoPE and attention as one node
+    # ask: dK and dV by the TMA stores, dQ by its conversion, where they lie; every value that of the backward
+    # without `out`, and the fourth slice, between none of them, untouched.
+    heads, seq = 3, 1000
+    q, k, v, do = _inputs(heads, seq, seq, d, torch.bfloat16, seed=d)
+    o, lse = hopper.forward(q, k, v, True)
+    expected = hopper.backward(q, k, v, o, do, lse, True)
+    storage = torch.full((seq, 4, heads, d), 7.0, dtype=torch.bfloat16, device="cuda")
+    out = tuple(storage[:, i].transpose(0, 1) for i in range(3))
+    grads = hopper.backward(q, k, v, o, do, lse, True, out)
+    assert all(grad is target for grad, target in zip(grads, out, strict=True))
+    assert all(torch.equal(grad, e) for grad, e in zip(grads, expected, strict=True))
+    assert torch.all(storage[:, 3] == 7.0)
+
+
+def _assert_within_one_ulp(actual, expected):
+    """bf16 tensors equal but for the last bit here and there: the same float32 arithmetic compiled in two kernels
+    may contract other products into FMAs."""
+    assert actual.shape == expected.shape
+    ulp = torch.finfo(expected.dtype).eps * expected.float().abs().clamp_min(torch.finfo(expected.dtype).tiny)
+    assert torch.all((actual.float() - expected.float()).abs() <= ulp), (
+        (actual.float() - expected.float()).abs().max()
+    )
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_backward_rotates_dq_and_dk_back_as_rope_does(d, table_dtype):
+    # With RoPE's tables the backward returns dQ and dK rotated back (dQ in its conversion, dK in the epilogue), as
+    # RoPE's own backward kernel does to the plain ones, and dV unchanged; odd length, tables longer than needed.
+    from cs336_systems.kernels import rope
+    from cs336_systems.model.transformer import RotaryEmbedding
+
+    heads, seq = 3, 1001
+    q, k, v, do = _inputs(heads, seq, seq, d, torch.bfloat16, seed=d + 1)
+    tables = RotaryEmbedding(d, seq + 5, 10_000.0).to("cuda")
+    cos, sin = tables.cos.to(table_dtype), tables.sin.to(table_dtype)
+    o, lse = hopper.forward(q, k, v, True)
+    dq, dk, dv = hopper.backward(q, k, v, o, do, lse, True)
+    rotated = hopper.backward(q, k, v, o, do, lse, True, rope=(cos, sin))
+    for plain, fused in zip((dq, dk), rotated, strict=False):
+        expected = torch.empty_like(plain)
+        rope.rotate(plain[None], expected[None], cos, sin, -1)
+        _assert_within_one_ulp(fused, expected)
+    assert torch.equal(rotated[2], dv)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("batch", [1, 2])
+def test_rope_and_attention_as_one_node_match_them_apart(batch):
+    # The model's attention with our RoPE (cs336_systems.kernels.rope_attention) on the Hopper tier: output equal to
+    # the bit to RoPE's op and attention's apart, the projection's gradient within a bit (RoPE's backward runs in
+    # attention's kernels; at batch 1 they write the projection's gradient in place, at batch 2 through copies).
+    from cs336_systems.kernels.flash_attention import flash_attention
+    from cs336_systems.kernels.rope import rope_qkv
+    from cs336_systems.kernels.rope_attention import rope_attention
+    from cs336_systems.model.transformer import RotaryEmbedding
+
+    heads, seq, d = 3, 1000, 128
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    qkv = torch.randn(batch, seq, 3, heads, d, generator=g, device="cuda").to(torch.bfloat16).requires_grad_()
+    rope = RotaryEmbedding(d, seq, 10_000.0).to("cuda")
+    fused = rope_attention(qkv, rope.cos, rope.sin, tier="hopper")
+    apart = flash_attention(*rope_qkv(qkv, rope.cos, rope.sin), is_causal=True, tier="hopper")
+    do = torch.randn(fused.shape, generator=g, device="cuda").to(torch.bfloat16)
+    (fused_grad,) = torch.autograd.grad(fused, qkv, do)
+    (apart_grad,) = torch.autograd.grad(apart, qkv, do)
+    assert torch.equal(fused, apart)
+    _assert_within_one_ulp(fused_grad, apart_grad)
 
 
 @pytest.mark.gpu

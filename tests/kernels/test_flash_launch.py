@@ -254,9 +254,9 @@ class FakeHopper(types.ModuleType):
         self.calls.append("forward")
         return flash_triton.flash_forward(q, k, v, is_causal, out)
 
-    def backward(self, q, k, v, o, do, lse, is_causal):
+    def backward(self, q, k, v, o, do, lse, is_causal, out=None, rope=None):
         self.calls.append("backward")
-        return flash_triton.flash_backward(q, k, v, o, do, lse, is_causal)
+        return flash_triton.flash_backward(q, k, v, o, do, lse, is_causal, out, rope)
 
 
 @pytest.fixture

@@ -238,10 +238,26 @@ def _forward(Q: Tensor, K: Tensor, V: Tensor, is_causal: bool, tier: str) -> tup
     return O, (L if Q.dim() == 3 else L.view(Q.shape[:-1]))
 
 
-def _backward(Q, K, V, O, dO, L, is_causal: bool, tier: str) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(
+    Q, K, V, O, dO, L, is_causal: bool, tier: str, out=None, rope=None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV; written into `out` (three tensors of Q's, K's and V's shapes, any strides) where given; dQ and dK
+    rotated back by RoPE's tables `rope` = (cos, sin) where given (the tier's contract: flash_tiers)."""
     if L.dim() != 2:
         L = L.reshape(-1, Q.shape[-2])
-    dQ, dK, dV = flash_tiers.get(tier).backward(*map(_as_batched, (Q, K, V, O, dO)), L, is_causal)
+    views = None if out is None else tuple(_batched_view(t) for t in out)
+    if views is not None and any(
+        v is None for v in views
+    ):  # the tier's (batch * heads, seq, d) rows cannot view them
+        views = None
+    dQ, dK, dV = flash_tiers.get(tier).backward(
+        *map(_as_batched, (Q, K, V, O, dO)), L, is_causal, out=views, rope=rope
+    )
+    if out is not None:
+        return tuple(
+            t if views is not None else t.copy_(g.view(t.shape))
+            for t, g in zip(out, (dQ, dK, dV), strict=True)
+        )
     return (dQ, dK, dV) if Q.dim() == 3 else (dQ.view(Q.shape), dK.view(K.shape), dV.view(V.shape))
 
 

@@ -1,10 +1,11 @@
 """FlashAttention kernel tiers: which implementation of the kernels' contract runs for given inputs.
 
 A tier provides `supports(device, dtype, head_dim, is_causal) -> bool`, `forward(q, k, v, is_causal, out=None) ->
-(o, lse)` and `backward(q, k, v, o, do, lse, is_causal) -> (dq, dk, dv)` on (batch, seq, d) tensors of any strides
-(a tier copies what its kernels cannot read in place), returning contiguous tensors, except O where `out` is
-given: the forward writes O there (any strides), directly where its kernels can: the contract of
-`flash_triton.flash_forward` / `flash_backward`:
+(o, lse)` and `backward(q, k, v, o, do, lse, is_causal, out=None, rope=None) -> (dq, dk, dv)` on (batch, seq, d)
+tensors of any strides (a tier copies what its kernels cannot read in place), returning contiguous tensors, except
+where `out` is given: the forward writes O there, the backward dQ, dK and dV (any strides), directly where its
+kernels can; with `rope` (RoPE's tables cos, sin, (seq, d / 2)) the backward returns dQ and dK rotated back by them,
+as RoPE's backward (kernels/rope.py) would: the contract of `flash_triton.flash_forward` / `flash_backward`:
 - "portable": the Triton kernels of `flash_triton`, on any CUDA GPU and, interpreted, on the CPU;
 - "hopper": the module `cs336_systems.kernels.hopper` (GPU only), imported at first use; a module that is missing,
   fails to import with an ImportError or lacks one of the three functions is an unavailable tier.

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime import Autotuner, driver
 
+from cs336_systems.kernels import rope as rotary
 from cs336_systems.kernels import triton_interpreter
 
 # Interpreted or compiled is fixed when the kernels below are decorated: record it, and patch the interpreter's gaps
@@ -594,8 +595,12 @@ def flash_backward(
     do: torch.Tensor,
     lse: torch.Tensor,
     is_causal: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L, without atomics."""
+    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L, without atomics; copied into `out` (three
+    views of those shapes, any strides) where given, and then those returned. With `rope` (RoPE's tables cos, sin,
+    (seq, d / 2)), dQ and dK come out rotated back by them, as RoPE's backward (kernels/rope.py) does."""
     q, k, v, o, do, lse = (t.contiguous() for t in (q, k, v, o, do, lse))
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
@@ -622,4 +627,11 @@ def flash_backward(
         (q, k, v, do, lse, delta, dq),
         scalars,
     )
-    return dq, dk, dv
+    grads = (dq, dk, dv)
+    targets = out if out is not None else grads
+    for i, (grad, target) in enumerate(zip(grads, targets, strict=True)):
+        if rope is not None and i < 2:  # dQ and dK rotated back on their way (in place without `out`)
+            rotary.rotate(grad[None], target[None], *rope, -1)
+        elif target is not grad:
+            target.copy_(grad)
+    return targets

@@ -14,7 +14,9 @@ Why a kernel of its own: compiled PyTorch does the same rotation, but its backwa
 8B model at 32k tokens (H200), beside 0.48 ms for the forward and again for its recomputation under selective
 checkpointing: 1.85 ms per layer (the pipeline's kernel maps at e2a718a and 136c003). Here each element is read
 once and written once in six launches (three forward, three backward): 0.99 ms per layer (the pipeline's kernel map
-at da40cc4), against 1.24 ms for seven when q and k alone were written and rotated again in backward.
+at da40cc4), against 1.24 ms for seven when q and k alone were written and rotated again in backward. Beside our
+attention the backward's three go too: attention's backward rotates dQ and dK back itself (`rotate` below on the
+portable tier, inside the kernels on the Hopper tier) and writes the projection's gradient (kernels/rope_attention.py).
 Arithmetic is float32 with the tables rounded to the activations' dtype first, as the model's `cos.to(x.dtype)`
 and torch.compile's float32 arithmetic do, so both round the result once.
 It runs compiled on CUDA and in Triton's CPU interpreter (TRITON_INTERPRET=1), as the tests do.
@@ -81,8 +83,9 @@ def _rotate_kernel(
         tl.store(dst, rotated.to(x.dtype), mask=mask)
 
 
-def _rotate(src: Tensor, dst: Tensor, cos: Tensor, sin: Tensor, direction: int) -> None:
-    """dst[...] = src rotated (1), rotated back (-1) or copied (0); both (batch, heads, seq, d_head) views."""
+def rotate(src: Tensor, dst: Tensor, cos: Tensor, sin: Tensor, direction: int) -> None:
+    """dst[...] = src rotated (1), rotated back (-1) or copied (0); both (batch, heads, seq, d_head) views, the same
+    one allowed (each program reads its rows before it writes them); cos, sin (>= seq, d_head / 2), contiguous."""
     batch, heads, seq, d_head = src.shape
     if seq == 0 or batch * heads == 0:
         return
@@ -106,7 +109,7 @@ def rope_qkv_forward(qkv: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     output) and nothing is rotated again in backward."""
     out = qkv.new_empty(qkv.shape)
     for i, direction in enumerate((1, 1, 0)):
-        _rotate(_heads_first(qkv[:, :, i]), _heads_first(out[:, :, i]), cos, sin, direction)
+        rotate(_heads_first(qkv[:, :, i]), _heads_first(out[:, :, i]), cos, sin, direction)
     return out
 
 
@@ -122,7 +125,7 @@ def rope_qkv_backward(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tens
     batch, heads, seq, d_head = dq.shape
     dqkv = dq.new_empty(batch, seq, 3, heads, d_head)
     for i, (grad, direction) in enumerate(((dq, -1), (dk, -1), (dv, 0))):
-        _rotate(grad, _heads_first(dqkv[:, :, i]), cos, sin, direction)
+        rotate(grad, _heads_first(dqkv[:, :, i]), cos, sin, direction)
     return dqkv
 
 
@@ -150,6 +153,12 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Ten
     """(q, k, v), each (batch, heads, seq, d_head), from the QKV projection viewed as (batch, seq, 3, heads, d_head):
     q and k rotated by the tables cos, sin (seq, d_head / 2; any float dtype, rounded to qkv's), v copied; the three
     are views of one new tensor in qkv's layout. Differentiable in qkv."""
+    check(qkv, cos, sin)
+    return _RotaryQKV.apply(qkv, cos.contiguous(), sin.contiguous())
+
+
+def check(qkv: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """One error naming what is wrong with RoPE's inputs, before any launch."""
     if qkv.dim() != 5 or qkv.shape[2] != 3 or qkv.shape[-1] % 2:
         raise ValueError(
             f"qkv must be (batch, seq, 3, heads, d_head) with d_head even, got {tuple(qkv.shape)}"
@@ -164,4 +173,3 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Ten
         raise ValueError(
             f"the RoPE kernel needs CUDA tensors (or TRITON_INTERPRET=1), but qkv is on {qkv.device}"
         )
-    return _RotaryQKV.apply(qkv, cos.contiguous(), sin.contiguous())

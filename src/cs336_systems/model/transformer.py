@@ -139,20 +139,27 @@ class CausalSelfAttention(nn.Module):
         self.rope = RotaryEmbedding(cfg.d_model // cfg.num_heads, cfg.context_length, cfg.rope_theta)
         self.rope_kernel = cfg.rope == "triton"
         self.attend = ATTENTION[cfg.attention]
+        # our RoPE and our attention as one autograd node: attention's backward writes the projection's gradient
+        self.rope_attention = self.rope_kernel and cfg.attention == "flash_triton"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
         # (batch, seq, 3 d_model) -> three tensors of (batch, heads, seq, d_head)
         qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, -1)
-        if self.rope_kernel:
-            from cs336_systems.kernels.rope import rope_qkv
+        if self.rope_attention:
+            from cs336_systems.kernels.rope_attention import rope_attention
 
-            q, k, v = rope_qkv(qkv, self.rope.cos[:seq], self.rope.sin[:seq])
+            y = rope_attention(qkv, self.rope.cos[:seq], self.rope.sin[:seq])
         else:
-            q, k, v = qkv.permute(2, 0, 3, 1, 4)
-            positions = torch.arange(seq, device=x.device)
-            q, k = self.rope(q, positions), self.rope(k, positions)
-        y = self.attend(q, k, v)
+            if self.rope_kernel:
+                from cs336_systems.kernels.rope import rope_qkv
+
+                q, k, v = rope_qkv(qkv, self.rope.cos[:seq], self.rope.sin[:seq])
+            else:
+                q, k, v = qkv.permute(2, 0, 3, 1, 4)
+                positions = torch.arange(seq, device=x.device)
+                q, k = self.rope(q, positions), self.rope(k, positions)
+            y = self.attend(q, k, v)
         # a view where y is laid out heads-last (our attention writes O in v's order, and v is a heads-last slice: of
         # qkv, or of our RoPE's output in qkv's layout)
         return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))

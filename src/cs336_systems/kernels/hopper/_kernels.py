@@ -438,9 +438,28 @@ def _bwd_mma(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_
 
 
 @gluon.jit
-def flash_bwd_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, N_QUERIES,
-                     N_KEYS, qk_scale, scale, IS_CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                     D: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+def _rotated_back(x, cos_ptr, sin_ptr, start, n_rows, ROWS: gl.constexpr, D: gl.constexpr, layout: gl.constexpr):
+    """x (ROWS x D rows of positions start.., in `layout`, which holds each feature pair (2i, 2i+1) in one thread,
+    as wgmma's accumulator does) with every pair rotated back by its position's angle: RoPE's backward as
+    kernels/rope.py computes it (float32, the tables rounded to x's dtype first), so that the two agree."""
+    rows = start + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, gl.SliceLayout(0, layout))
+    # each pair's table entry, split as the pairs are below (so in their layout); rows past n_rows are not stored
+    table, _ = gl.split(gl.reshape(rows[:, None] * (D // 2) + cols[None, :] // 2, [ROWS, D // 2, 2]))
+    in_table = table < n_rows * (D // 2)
+    c = gl.load(cos_ptr + table, mask=in_table, other=0.0).to(x.dtype).to(gl.float32)
+    s = gl.load(sin_ptr + table, mask=in_table, other=0.0).to(x.dtype).to(gl.float32) * -1.0
+    even, odd = gl.split(gl.reshape(x.to(gl.float32), [ROWS, D // 2, 2]))
+    return gl.reshape(gl.join(even * c - odd * s, even * s + odd * c), [ROWS, D]).to(x.dtype)
+
+
+@gluon.jit
+def flash_bwd_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc, cos_ptr,
+                     sin_ptr, N_QUERIES, N_KEYS, qk_scale, scale, IS_CAUSAL: gl.constexpr, ROTATE: gl.constexpr,
+                     BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """dK and dV of one key tile (dK rotated back by RoPE's tables cos, sin where ROTATE); dQ's tiles added to the
+    float32 accumulator (see _bwd_mma)."""
     batch = gl.program_id(1)
     k_start = gl.program_id(0) * BN
     n_q_tiles = gl.cdiv(N_QUERIES, BM)
@@ -479,8 +498,11 @@ def flash_bwd_kernel(k_desc, v_desc, q_desc, do_desc, lse_desc, delta_desc, dk_d
     ], [1], [24])
 
     # K and V are spent: their buffers stage dK and dV for TMA stores, which clip rows past N_KEYS.
-    k_smem.reshape([BN, D]).store((dk * scale).to(dtype))
     v_smem.reshape([BN, D]).store(dv.to(dtype))
+    dk = (dk * scale).to(dtype)
+    if ROTATE:
+        dk = _rotated_back(dk, cos_ptr, sin_ptr, k_start, N_KEYS, BN, D, mma_layout(num_warps, D))
+    k_smem.reshape([BN, D]).store(dk)
     fence_async_shared()
     tma.async_copy_shared_to_global(dk_desc, [batch, k_start, 0], k_smem)
     tma.async_copy_shared_to_global(dv_desc, [batch, k_start, 0], v_smem)
@@ -533,18 +555,34 @@ def bwd_preprocess_kernel(
 def dq_convert_kernel(
     dQacc_ptr,
     dQ_ptr,
-    N_ELEMENTS,
+    cos_ptr,
+    sin_ptr,
     N_QUERIES,
+    stride_b,
+    stride_s,
     scale,
     D: gl.constexpr,
-    BLOCK: gl.constexpr,
+    ROTATE: gl.constexpr,
+    ROWS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """dQ = scale * the float32 accumulator, in dQ's dtype; the accumulator's rows hold their columns as
-    DQ_STORE_LAYOUT permuted them (column c of row r at c ^ 8 (r % 4): XOR within 32 columns, D a multiple of 32)."""
-    layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
-    offs = gl.program_id(0).to(gl.int64) * BLOCK + gl.arange(0, BLOCK, layout)
-    mask = offs < N_ELEMENTS
-    row = (offs // D) % N_QUERIES  # the row within its sequence: tiles start at multiples of 64
-    dq = gl.load(dQacc_ptr + (offs ^ ((row % 4) * 8)), mask=mask) * scale
-    gl.store(dQ_ptr + offs, dq.to(dQ_ptr.dtype.element_ty), mask=mask)
+    """dQ = scale * the float32 accumulator, in dQ's dtype, for ROWS query rows of one batch element; the
+    accumulator's rows hold their columns as DQ_STORE_LAYOUT permuted them (column c of row r at c ^ 8 (r % 4): XOR
+    within 32 columns, D a multiple of 32). dQ: (batch, row) strides as given, unit stride along d. Where ROTATE,
+    each feature pair (2i, 2i+1) is rotated back by its position's angle from the tables cos, sin as RoPE's
+    backward (kernels/rope.py) does to the rounded dQ: float32, the tables rounded to dQ's dtype first."""
+    dtype: gl.constexpr = dQ_ptr.dtype.element_ty
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [128 // D, D // 4], [num_warps, 1], [1, 0])
+    batch = gl.program_id(1).to(gl.int64)
+    row_start = gl.program_id(0) * ROWS
+    rows = row_start + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, gl.SliceLayout(0, layout))
+    in_bounds = (rows < N_QUERIES)[:, None] & (cols < D)[None, :]
+    # the permutation moves whole runs of 8 columns (XOR by multiples of 8): each thread's 4 stay together
+    permuted = gl.max_contiguous(gl.multiple_of(cols[None, :] ^ ((rows % 4) * 8)[:, None], [1, 4]), [1, 4])
+    acc = dQacc_ptr + (batch * N_QUERIES + rows)[:, None] * D  # the rows in the (contiguous) accumulator
+    dq = (gl.load(acc + permuted, mask=in_bounds) * scale).to(dtype)
+    if ROTATE:  # each thread holds whole feature pairs
+        dq = _rotated_back(dq, cos_ptr, sin_ptr, row_start, N_QUERIES, ROWS, D, layout)
+    out = dQ_ptr + batch * stride_b + rows[:, None].to(gl.int64) * stride_s + cols[None, :]
+    gl.store(out, dq, mask=in_bounds)

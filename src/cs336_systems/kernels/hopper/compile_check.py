@@ -37,6 +37,7 @@ from cs336_systems.kernels.hopper.flash_attention import (
 
 _TORCH_TO_TRITON = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 SEQ_LENS = (1024, 32768)  # a short and a long sequence: the configs the launchers pick for each
+KERNELS = ("fwd", "bwd", "bwd_rope")  # the backward with and without RoPE's backward in its epilogue
 SPILL_BOUND = 64  # spill instructions allowed outside the main loops
 
 
@@ -77,7 +78,7 @@ class Report:
 
     def line(self) -> str:
         return (
-            f"{self.kernel:4s} {self.dtype:4s} d={self.head_dim:<3d} causal={self.causal!s:5s} {self.config:26s} "
+            f"{self.kernel:8s} {self.dtype:4s} d={self.head_dim:<3d} causal={self.causal!s:5s} {self.config:26s} "
             f"regs {self.launch_regs} (setmaxnreg {'/'.join(map(str, sorted(set(self.setmaxnreg)))) or '-'}, "
             f"max used {self.max_reg_used})  spills {'YES' if self.spills else 'none'} "
             f"(LDL/STL {self.spill_instructions}, in main loops {self.loop_spill_instructions}, local {self.local_bytes} B)  smem {self.shared_bytes / 1024:.1f} KiB  "
@@ -115,7 +116,7 @@ def _desc(dtype: torch.dtype, block_shape: list[int]) -> str:
 
 def _signature(kernel: str, dtype: torch.dtype, d: int, bm: int, bn: int) -> dict:
     names = ("IS_CAUSAL", "BM", "BN", "D", "STAGES", "num_warps")
-    names += ("PINGPONG", "CONS_REGS") if kernel == "fwd" else ()
+    names += ("PINGPONG", "CONS_REGS") if kernel == "fwd" else ("ROTATE",)
     constexprs = {name: "constexpr" for name in names}
     if kernel == "fwd":
         q, kv = _desc(dtype, [1, 64, d]), _desc(dtype, [1, bn, d])
@@ -124,12 +125,15 @@ def _signature(kernel: str, dtype: torch.dtype, d: int, bm: int, bn: int) -> dic
                 **constexprs}  # fmt: skip
     q, kv, rows = _desc(dtype, [1, bm, d]), _desc(dtype, [1, bn, d]), _desc(torch.float32, [1, bm])
     return {"k_desc": kv, "v_desc": kv, "q_desc": q, "do_desc": q, "lse_desc": rows, "delta_desc": rows,
-            "dk_desc": kv, "dv_desc": kv, "dq_desc": _desc(torch.float32, [1, bm, d]), "N_QUERIES": "i32", "N_KEYS": "i32",
-            "qk_scale": "fp32", "scale": "fp32", **constexprs}  # fmt: skip
+            "dk_desc": kv, "dv_desc": kv, "dq_desc": _desc(torch.float32, [1, bm, d]), "cos_ptr": "*fp32",
+            "sin_ptr": "*fp32", "N_QUERIES": "i32", "N_KEYS": "i32", "qk_scale": "fp32", "scale": "fp32",
+            **constexprs}  # fmt: skip
 
 
 def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, causal: bool, seq_len: int = 4096):
-    """Compile the forward ("fwd") or backward ("bwd") kernel for sm_90; returns (CompiledKernel, ptxas log)."""
+    """Compile the forward ("fwd") or backward kernel for sm_90, the backward plain ("bwd") or rotating dK back by
+    RoPE's tables in its epilogue ("bwd_rope", as the model's attention runs it); returns (CompiledKernel, config,
+    ptxas log)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -144,6 +148,8 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, causal: bool,
                   "num_warps": cfg.num_warps}  # fmt: skip
     if kernel == "fwd":
         constexprs |= {"PINGPONG": cfg.pingpong, "CONS_REGS": cfg.cons_regs}
+    else:
+        constexprs |= {"ROTATE": kernel == "bwd_rope"}
     src = GluonASTSource(fn, sig, constexprs=constexprs)
     log = io.StringIO()
     with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
@@ -217,13 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--all", action="store_true", help="fp16 too (default: bf16 only; same code)")
-    parser.add_argument("--kernel", choices=("fwd", "bwd"), help="only this kernel")
+    parser.add_argument("--kernel", choices=KERNELS, help="only this kernel")
     args = parser.parse_args(argv)
     if (why := available()) is not None:
         print(f"cannot compile for sm_90 here: {why}")
         return 1
     dtypes = DTYPES if args.all else (torch.bfloat16,)
-    kernels = (args.kernel,) if args.kernel else ("fwd", "bwd")
+    kernels = (args.kernel,) if args.kernel else KERNELS
     # the launchers choose by sequence length too: each distinct config once
     configs, seen = [], set()
     for k, t, d, c, n in itertools.product(kernels, dtypes, HEAD_DIMS, (True, False), SEQ_LENS):

@@ -40,7 +40,9 @@ Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
   `tma_reduce_add`), so the TMA unit adds dQ while the tensor cores run the next tile. The buffers are
   unswizzled and each row's columns permuted as the registers write them without bank conflicts
   (`_kernels.DQ_STORE_LAYOUT`); the float32 buffer is converted (times the softmax scale, the permutation undone)
-  to the input dtype at the end. A small Gluon kernel first writes
+  to the input dtype at the end, into any view whose rows are contiguous. Given RoPE's tables (`rope`), the
+  conversion rotates dQ back and the epilogue dK (RoPE's backward, for `rope_attention`: both hold each feature
+  pair in one thread), and dK, dV go by TMA into the projection's gradient where it lies. A small Gluon kernel first writes
   L log2(e) and Delta = rowsum(O * dO) into padded rows (TMA needs 16-byte aligned rows; padded queries get
   L = +inf, so their P is 0 without a mask) and zeroes the dQ buffer.
 - Launches: after a shape's first, each kernel is launched from `flash_triton.CachedLaunch` (the compiled kernel's
@@ -66,7 +68,7 @@ DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (64, 128)
 PRODUCER_REGS = 24  # the producer warp's registers (in _kernels: `gl.warp_specialize(..., [24])`)
 _PREPROCESS_ROWS = 64
-_CONVERT_BLOCK = 1024
+_CONVERT_ROWS = 16  # dQ's conversion: query rows per program
 
 
 @functools.cache
@@ -319,19 +321,33 @@ def backward(
     do: torch.Tensor,
     lse: torch.Tensor,
     is_causal: bool,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L; dQ through a float32 buffer."""
+    """dQ, dK, dV (shapes and dtypes of q, k, v) by recomputation from L; dQ through a float32 buffer. Written into
+    `out` (three views of those shapes) where given, and then those returned: by the kernels' stores (dK and dV by
+    TMA) where they can reach them, the rest through copies. With `rope` (RoPE's tables cos, sin, (seq, d / 2),
+    contiguous), dQ and dK come out rotated back by them: RoPE's backward, run by dQ's conversion and by the
+    backward's epilogue."""
     q, k, v, o, do = _prepared(q, k, v, o, do)
     lse = lse.contiguous()
     batch, n_queries, d = q.shape
     n_keys = k.shape[1]
+    if rope is not None and any(
+        t.shape[0] < max(n_queries, n_keys) or t.shape[1:] != (d // 2,) for t in rope
+    ):
+        raise ValueError(
+            f"RoPE's tables must be (seq >= {max(n_queries, n_keys)}, {d // 2}), got {[tuple(t.shape) for t in rope]}"
+        )
     cfg = backward_config(d, max(n_queries, n_keys), is_causal)
-    key = (q.dtype, batch, n_queries, n_keys, d, is_causal, cfg)
+    # the tables' dtype: the compiled kernels load them as such
+    key = (q.dtype, batch, n_queries, n_keys, d, is_causal, cfg, None if rope is None else rope[0].dtype)
     n_pad = math.ceil(n_queries / cfg.bm) * cfg.bm
     lse2 = torch.empty((batch, n_pad), dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
     # dQ's float32 accumulator, zeroed by the preprocess kernel
     dq_accum = torch.empty((batch, n_queries, d), dtype=torch.float32, device=q.device)
+    cos, sin = rope if rope is not None else (dq_accum, dq_accum)  # unread without rope
     # O's and dO's (batch, row) strides: scalars the compiled kernel is specialised on (16-divisibility), so keyed
     strides = (*o.stride()[:2], *do.stride()[:2])
     _launch("bwd_preprocess_kernel")(
@@ -343,8 +359,13 @@ def backward(
             **{"N_QUERIES": n_queries, "N_PAD": n_pad, "D": d, "ROWS": _PREPROCESS_ROWS, "num_warps": 4},
         },
     )
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # contiguous whatever k's and v's strides
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # contiguous whatever k's and v's strides, unless written in place
+    dk, dv = (
+        out[i]
+        if out is not None and _tma_readable(out[i])
+        else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        for i, t in ((1, k), (2, v))
+    )
     scale = 1.0 / math.sqrt(d)
     # the kernel's TMA descriptors, in its argument order (dQ's tiles are added to dq_accum by TMA reductions)
     tiles = ((k, (1, cfg.bn, d)), (v, (1, cfg.bn, d)), (q, (1, cfg.bm, d)), (do, (1, cfg.bm, d)),
@@ -353,13 +374,14 @@ def backward(
     _launch("flash_bwd_kernel")(
         key,
         (math.ceil(n_keys / cfg.bn), batch),
-        tuple(_descriptor(t, block) for t, block in tiles),
+        (*(_descriptor(t, block) for t, block in tiles), cos, sin),
         lambda: {
             "N_QUERIES": n_queries,
             "N_KEYS": n_keys,
             "qk_scale": scale * math.log2(math.e),
             "scale": scale,
             "IS_CAUSAL": is_causal,
+            "ROTATE": rope is not None,
             "BM": cfg.bm,
             "BN": cfg.bn,
             "D": d,
@@ -368,19 +390,30 @@ def backward(
             "maxnreg": cfg.maxnreg,
         },
     )
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    n = dq.numel()
+    # dQ straight into out's view where its rows are contiguous
+    if out is not None and out[0].stride(-1) == 1 and out[0].data_ptr() % 16 == 0:
+        dq = out[0]
+    else:
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq_strides = dq.stride()[:2]  # specialised on (16-divisibility) as O's and dO's above
     _launch("dq_convert_kernel")(
-        key,
-        (math.ceil(n / _CONVERT_BLOCK),),
-        (dq_accum, dq),
+        (*key, dq_strides),
+        (math.ceil(n_queries / _CONVERT_ROWS), batch),
+        (dq_accum, dq, cos, sin),
         lambda: {
-            "N_ELEMENTS": n,
             "N_QUERIES": n_queries,
+            "stride_b": dq_strides[0],
+            "stride_s": dq_strides[1],
             "scale": scale,
             "D": d,
-            "BLOCK": _CONVERT_BLOCK,
+            "ROTATE": rope is not None,
+            "ROWS": _CONVERT_ROWS,
             "num_warps": 4,
         },
     )
+    if out is not None:
+        return tuple(
+            target if target is grad else target.copy_(grad)
+            for target, grad in zip(out, (dq, dk, dv), strict=True)
+        )
     return dq, dk, dv
