@@ -246,10 +246,8 @@ def _backward(
     if L.dim() != 2:
         L = L.reshape(-1, Q.shape[-2])
     views = None if out is None else tuple(_batched_view(t) for t in out)
-    if views is not None and any(
-        v is None for v in views
-    ):  # the tier's (batch * heads, seq, d) rows cannot view them
-        views = None
+    if views is not None and any(v is None for v in views):
+        views = None  # the tier's (batch * heads, seq, d) rows cannot view them (batch > 1): copies below
     dQ, dK, dV = flash_tiers.get(tier).backward(
         *map(_as_batched, (Q, K, V, O, dO)), L, is_causal, out=views, rope=rope
     )
