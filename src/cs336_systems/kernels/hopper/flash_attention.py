@@ -42,9 +42,9 @@ Design (FlashAttention-3 as far as Gluon in Triton 3.6 goes):
   (`_kernels.DQ_STORE_LAYOUT`); the float32 buffer is converted (times the softmax scale, the permutation undone)
   to the input dtype at the end, into any view whose rows are contiguous. Given RoPE's tables (`rope`), the
   conversion rotates dQ back and the epilogue dK (RoPE's backward, for `rope_attention`: both hold each feature
-  pair in one thread), and dK, dV go by TMA into the projection's gradient where it lies. A small Gluon kernel first writes
-  L log2(e) and Delta = rowsum(O * dO) into padded rows (TMA needs 16-byte aligned rows; padded queries get
-  L = +inf, so their P is 0 without a mask) and zeroes the dQ buffer.
+  pair in one thread), and dK, dV go by TMA into the projection's gradient where it lies. A small Gluon kernel
+  first writes L log2(e) and Delta = rowsum(O * dO) into padded rows (TMA needs 16-byte aligned rows; padded
+  queries get L = +inf, so their P is 0 without a mask) and zeroes the dQ buffer.
 - Launches: after a shape's first, each kernel is launched from `flash_triton.CachedLaunch` (the compiled kernel's
   own launcher, no JIT dispatch); only the TMA descriptors are built per call.
 - Descriptors are 3-D (batch, seq, d) with (1, tile, d) blocks: a tile never reads the next batch element's rows
