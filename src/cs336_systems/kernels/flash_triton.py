@@ -629,9 +629,10 @@ def flash_backward(
     )
     grads = (dq, dk, dv)
     targets = out if out is not None else grads
-    for i, (grad, target) in enumerate(zip(grads, targets, strict=True)):
-        if rope is not None and i < 2:  # dQ and dK rotated back on their way (in place without `out`)
-            rotary.rotate(grad[None], target[None], *rope, -1)
-        elif target is not grad:
+    if rope is not None:  # on their way to the targets (in place without `out`)
+        views = tuple(g[None] for g in grads)  # (1, batch, seq, d): RoPE's (batch, heads, seq, d_head)
+        rotary.backward_into(views, views if out is None else tuple(t[None] for t in out), *rope)
+    elif out is not None:
+        for target, grad in zip(targets, grads, strict=True):
             target.copy_(grad)
     return targets

@@ -97,6 +97,14 @@ def rotate(src: Tensor, dst: Tensor, cos: Tensor, sin: Tensor, direction: int) -
     )  # fmt: skip
 
 
+def backward_into(grads: tuple[Tensor, ...], targets: tuple[Tensor, ...], cos: Tensor, sin: Tensor) -> None:
+    """RoPE's backward: the gradients of q and k rotated back and v's copied into `targets` (each a
+    (batch, heads, seq, d_head) view); a target may be its gradient itself (rotated in place, v's left as it is)."""
+    for grad, target, direction in zip(grads, targets, (-1, -1, 0), strict=True):
+        if direction or target is not grad:
+            rotate(grad, target, cos, sin, direction)
+
+
 def _heads_first(t: Tensor) -> Tensor:
     """(batch, seq, heads, d_head) -> the (batch, heads, seq, d_head) view of the same memory."""
     return t.transpose(1, 2)
@@ -124,8 +132,7 @@ def rope_qkv_backward(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tens
     (batch, heads, seq, d_head) with any strides (an attention's backward may hand over transposed ones)."""
     batch, heads, seq, d_head = dq.shape
     dqkv = dq.new_empty(batch, seq, 3, heads, d_head)
-    for i, (grad, direction) in enumerate(((dq, -1), (dk, -1), (dv, 0))):
-        rotate(grad, _heads_first(dqkv[:, :, i]), cos, sin, direction)
+    backward_into((dq, dk, dv), tuple(_heads_first(dqkv[:, :, i]) for i in range(3)), cos, sin)
     return dqkv
 
 
