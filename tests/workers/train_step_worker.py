@@ -75,7 +75,7 @@ def main(stack_name: str, compiled: bool, initial_only: bool) -> None:
             skipped = {
                 type(sharded.model.units[u][0]).__name__ for u in sharded.model._not_gathered_for_backward
             }
-            expected = {"Embedding", *(["LossHead"] if stack.head == "fused" else [])}
+            expected = {"TokenEmbedding", *(["LossHead"] if stack.head == "fused" else [])}
             assert skipped == expected, (
                 f"{stack_name}: {skipped} not gathered for the backward, not {expected}"
             )

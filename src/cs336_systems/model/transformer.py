@@ -33,6 +33,8 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     attention: str = "naive"
     rope: str = "torch"  # RoPE on q and k: "torch" (RotaryEmbedding) or "triton" (cs336_systems.kernels.rope)
+    # the token embedding's backward: "torch" (nn.Embedding's) or "triton" (cs336_systems.kernels.embedding)
+    embedding: str = "torch"
     checkpoint: str = "none"  # activation checkpointing of the blocks: cs336_systems.model.checkpointing
 
     def __post_init__(self) -> None:
@@ -49,6 +51,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.attention={self.attention!r}; choose one of {sorted(ATTENTION)}")
         if self.rope not in ROPE:
             raise ValueError(f"ModelConfig.rope={self.rope!r}; choose one of {list(ROPE)}")
+        if self.embedding not in EMBEDDING:
+            raise ValueError(f"ModelConfig.embedding={self.embedding!r}; choose one of {list(EMBEDDING)}")
         checkpointing.parse(self.checkpoint, self.num_layers)
 
     @classmethod
@@ -97,6 +101,24 @@ ATTENTION: dict[str, AttentionFn] = {
 
 # How RoPE is applied: the module below, or one Triton kernel each way that also splits and joins the projection.
 ROPE = ("torch", "triton")
+# How the token embedding's weight gradient is computed: nn.Embedding's backward, or our Triton kernel.
+EMBEDDING = ("torch", "triton")
+
+
+class TokenEmbedding(nn.Embedding):
+    """nn.Embedding (its parameters, initialisation and forward) whose weight gradient our Triton kernel computes
+    where `backward` is "triton" (cs336_systems.kernels.embedding)."""
+
+    def __init__(self, vocab_size: int, d_model: int, backward: str = "torch"):
+        super().__init__(vocab_size, d_model)
+        self.backward_kernel = backward
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.backward_kernel == "torch":
+            return super().forward(tokens)
+        from cs336_systems.kernels.embedding import embedding
+
+        return embedding(tokens, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -195,7 +217,7 @@ class TransformerLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embedding = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embedding = TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.embedding)
         self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -234,7 +256,7 @@ def initial_values(
     cfg, children = model.cfg, dict(model.named_children())
     # TransformerLM.__init__'s children, in its order
     makers = [
-        ("embedding", lambda: nn.Embedding(cfg.vocab_size, cfg.d_model)),
+        ("embedding", lambda: TokenEmbedding(cfg.vocab_size, cfg.d_model, cfg.embedding)),
         *((f"blocks.{i}", lambda: TransformerBlock(cfg)) for i in range(cfg.num_layers)),
         ("final_norm", lambda: RMSNorm(cfg.d_model)),
         ("lm_head", lambda: nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)),

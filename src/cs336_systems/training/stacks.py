@@ -11,8 +11,9 @@ A stack says how the same model is run (`STACKS`):
   per chunk), torch.optim.AdamW(fused=True);
 - `ours`: the same with our FlashAttention (Triton), our RoPE kernels (Triton, cs336_systems.kernels.rope: q and k
   rotated and v copied into one tensor, which selective checkpointing keeps, and the projection's gradient
-  written, in one pass each), our fused LM head + cross-entropy (Triton, cs336_systems.kernels.fused_cross_entropy)
-  and our AdamW kernel (Triton, cs336_systems.kernels.fused_adamw), and the `ours_*` variants that put one PyTorch
+  written, in one pass each), our fused LM head + cross-entropy (Triton, cs336_systems.kernels.fused_cross_entropy),
+  our AdamW kernel (Triton, cs336_systems.kernels.fused_adamw) and the embedding's weight gradient by our kernel
+  (Triton, cs336_systems.kernels.embedding), and the `ours_*` variants that put one PyTorch
   piece back, so the writeup shows what each of ours is worth;
 - `ours_fp32_master`: ours with float32 master weights: weights, gradients and AdamW state in float32, the step's
   forward and backward under autocast to the run's dtype (the matmuls and our kernels in bf16);
@@ -82,11 +83,19 @@ class Stack:
         False  # float32 weights, gradients and AdamW state; compute under autocast to the run's dtype
     )
     rope: str = "torch"  # ModelConfig.rope
+    embedding: str = "torch"  # ModelConfig.embedding
 
 
 # Ours, and ours with one piece put back to PyTorch's (or dropped): what each of ours is worth.
 _OURS = Stack(
-    "ours", "flash_triton", "fused", "selective", compile_blocks=True, optimizer="ours", rope="triton"
+    "ours",
+    "flash_triton",
+    "fused",
+    "selective",
+    compile_blocks=True,
+    optimizer="ours",
+    rope="triton",
+    embedding="triton",
 )
 _NATIVE = Stack(
     "PyTorch-native stack", "sdpa", "chunked", "selective", compile_blocks=True, optimizer="torch_fused"
@@ -231,6 +240,7 @@ def new_lm(
         **dims,
         attention=stack.attention,
         rope=stack.rope,
+        embedding=stack.embedding,
         checkpoint="none" if selective else stack.checkpoint,
     )
     with torch.device(device):
