@@ -37,7 +37,9 @@ def test_the_gradient_is_the_float64_sum_rounded_once(shape, dtype, ids_dtype):
     out = embedding(ids, weight)
     assert torch.equal(out, F.embedding(ids, weight))
     out.backward(grad)
-    expected = torch.zeros(vocab, d, dtype=torch.float64).index_add_(0, ids.flatten(), grad.flatten(0, -2).double())
+    expected = torch.zeros(vocab, d, dtype=torch.float64).index_add_(
+        0, ids.flatten(), grad.flatten(0, -2).double()
+    )
     assert weight.grad.dtype == dtype and weight.grad.shape == (vocab, d)
     if dtype == torch.bfloat16:  # float32 sums of a few bf16 values are exact: one rounding, to the nearest
         assert torch.equal(weight.grad, expected.to(dtype))
@@ -69,7 +71,13 @@ def test_model_with_the_kernel_trains_as_with_nn_embedding(compiled):
     for backward in ("torch", "triton"):
         torch.manual_seed(0)
         cfg = ModelConfig(
-            vocab_size=53, context_length=23, d_model=32, num_layers=2, num_heads=2, d_ff=40, embedding=backward
+            vocab_size=53,
+            context_length=23,
+            d_model=32,
+            num_layers=2,
+            num_heads=2,
+            d_ff=40,
+            embedding=backward,
         )
         model = TransformerLM(cfg)
         run = torch.compile(model) if compiled else model
@@ -82,9 +90,13 @@ def test_model_with_the_kernel_trains_as_with_nn_embedding(compiled):
 
 
 def test_bad_inputs_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"ids must be int32 or int64.*ids torch.float32, weight of shape \(4, 3\)"):
+    with pytest.raises(
+        ValueError, match=r"ids must be int32 or int64.*ids torch.float32, weight of shape \(4, 3\)"
+    ):
         embedding(torch.zeros(2), torch.zeros(4, 3))
-    with pytest.raises(ValueError, match=r"ModelConfig.embedding='cuda'; choose one of \['torch', 'triton'\]"):
+    with pytest.raises(
+        ValueError, match=r"ModelConfig.embedding='cuda'; choose one of \['torch', 'triton'\]"
+    ):
         ModelConfig(embedding="cuda")
 
 

@@ -2,14 +2,17 @@
 
     x = embedding(ids, weight)   # ids: (...) int64, weight: (vocab, d) -> x: (..., d), as F.embedding
 
-The forward is PyTorch's lookup. The backward sums each token's gradient row into its id's row of a zeroed (vocab, d)
-gradient: the ids sorted once (stable), then one program per run of equal ids (and block of columns) adds that run's
-rows in float32, a few tokens at a time in the tokens' order, and writes the sum rounded once to the gradient's
-dtype. Deterministic (no atomics: the same inputs give the same bits), and each gradient row is read once. Why a kernel of its own: PyTorch's dense embedding backward takes 2.7 ms at the 8B
-step's 32,768 tokens x 4,096 (H200: the zero fill, then partial sums per segment and their scatter in two more
-kernels, `.dev/boundary.py` in the Hopper tier's FINDINGS.md), on the critical path of a sharded step: the
-embedding's gradient is the last one the step's end waits to reduce. It runs compiled on CUDA and in Triton's CPU
-interpreter (TRITON_INTERPRET=1), as the tests do.
+The forward is PyTorch's lookup. The backward sums each token's gradient row into its id's row of a zeroed
+(vocab, d) gradient: the ids sorted once (stable), then one program per run of equal ids (and block of columns)
+adds that run's rows in float32, eight tokens at a time in the tokens' order, and writes the sum rounded once to
+the gradient's dtype. Deterministic (no atomics: the same inputs give the same bits), and each gradient row is read
+once.
+
+Why a kernel of its own: PyTorch's dense embedding backward (the zero fill, partial sums per segment of sorted ids,
+their scatter) takes 2.2-2.7 ms at the 8B step's 32,768 tokens x 4,096 on an H200, on the critical path of a sharded
+step, whose end waits for the embedding's gradient, the last one reduced. This one takes 0.7 ms there (uniform ids;
+1.3 against 1.5 ms where a Zipf-skewed batch repeats one id 4,274 times): the Hopper tier's FINDINGS.md. It runs
+compiled on CUDA and in Triton's CPU interpreter (TRITON_INTERPRET=1), as the tests do.
 """
 
 from __future__ import annotations
@@ -22,13 +25,17 @@ from torch import Tensor
 
 from cs336_systems.kernels import triton_interpreter
 
-_BLOCK_D, _ROWS = 1024, 8  # columns per program (8 bf16, 16 bytes, per thread at 4 warps) and tokens per loop step
+# columns per program (8 bf16, 16 bytes, per thread at 4 warps) and tokens per loop step (FINDINGS.md: taller
+# tiles were slower)
+_BLOCK_D, _ROWS = 1024, 8
 if triton_interpreter.enabled():  # decided when triton was imported, as the kernel below was
     triton_interpreter.patch()
 
 
 @triton.jit
-def _sum_runs_kernel(grad_ptr, sorted_ptr, order_ptr, out_ptr, n, d, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _sum_runs_kernel(
+    grad_ptr, sorted_ptr, order_ptr, out_ptr, n, d, ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """out[id] = the sum of grad[order[j]] over the run of j with sorted[j] == id, for the run that starts at this
     program's position (programs inside a run do nothing), columns of one block; ROWS of the run at a time, so that
     a long run (a frequent token) costs one loop step per ROWS tokens. grad, out: rows of d, contiguous."""
@@ -49,7 +56,8 @@ def _sum_runs_kernel(grad_ptr, sorted_ptr, order_ptr, out_ptr, n, d, ROWS: tl.co
             tile = tl.load(grad_ptr + rows[:, None] * d + cols[None, :], mask=in_tile, other=0.0)
             total += tl.sum(tile.to(tl.float32), 0)
             j += ROWS
-            run_goes_on = tl.sum(in_run.to(tl.int32), 0) == ROWS  # a run ends inside the first block it leaves
+            # a run ends inside the first block of ROWS positions it does not fill
+            run_goes_on = tl.sum(in_run.to(tl.int32), 0) == ROWS
         tl.store(out_ptr + token * d + cols, total.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
