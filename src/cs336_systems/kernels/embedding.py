@@ -58,7 +58,9 @@ def _sum_runs_kernel(
             j += ROWS
             # a run ends inside the first block of ROWS positions it does not fill
             run_goes_on = tl.sum(in_run.to(tl.int32), 0) == ROWS
-        tl.store(out_ptr + token * d + cols, total.to(out_ptr.dtype.element_ty), mask=in_row)
+        # int64: with int32 ids, vocab x d may pass 2**31
+        out_row = out_ptr + token.to(tl.int64) * d
+        tl.store(out_row + cols, total.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 @torch.library.custom_op("cs336::embedding_backward", mutates_args=())
