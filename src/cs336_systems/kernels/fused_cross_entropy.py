@@ -112,8 +112,8 @@ def _scaled_copy_kernel(src_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def _scaled(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """src * scale in float32, rounded once to `dtype`, in one pass. (torch.mul(..., out=) of a float32 tensor into a
-    bf16 one takes PyTorch's casting path: 2.7 ms for the 8B model's 2.3 GiB head gradient on an H200, in two launches
-    past 2 GiB, where this kernel streams at the memory's rate.)"""
+    bf16 one takes PyTorch's casting path: 2.30 ms for the 8B model's 2.3 GiB head gradient on an H200, in two launches
+    past 2 GiB; this kernel 0.86 ms.)"""
     out = torch.empty(src.shape, dtype=dtype, device=src.device)
     block = 4096
     _scaled_copy_kernel[(triton.cdiv(src.numel(), block),)](
